@@ -1,0 +1,1 @@
+"""Types shared by every stoker process: sampling parameters, engine config, IPC messages."""

@@ -1,0 +1,88 @@
+"""Paged attention, torch reference: the CPU path and the oracle for the triton kernels.
+
+KV cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim]. A request's
+tokens live in the blocks of its block table; token at position p sits in block
+`table[p // block_size]`, offset `p % block_size`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [T, Hk, D] into flat slots (block_id * block_size + offset)."""
+    num_kv_heads, head_dim = key_cache.shape[-2:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[B, max_blocks] block ids -> [B, max_blocks * block_size, Hk, D] contiguous K or V."""
+    batch, max_blocks = block_tables.shape
+    block_size, num_kv_heads, head_dim = cache.shape[1:]
+    return cache[block_tables].view(batch, max_blocks * block_size, num_kv_heads, head_dim)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per request. query [B, Hq, D]; block_tables [B, max_blocks] (padded with
+    any valid block id); context_lens [B] include the query token. Returns [B, Hq, D]."""
+    keys = gather_kv(key_cache, block_tables).transpose(1, 2)  # [B, Hk, L, D]
+    values = gather_kv(value_cache, block_tables).transpose(1, 2)
+    positions = torch.arange(keys.shape[2], device=query.device)
+    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.squeeze(2)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One request's chunk of n query tokens at positions [context_len - n, context_len), attending
+    causally to everything before it through the paged cache (cached prefix and earlier chunks).
+    query [n, Hq, D]; block_table [num_blocks] covering context_len. Returns [n, Hq, D]."""
+    num_queries = query.shape[0]
+    keys = gather_kv(key_cache, block_table[None])[0, :context_len].transpose(0, 1)
+    values = gather_kv(value_cache, block_table[None])[0, :context_len].transpose(0, 1)
+    q_pos = torch.arange(context_len - num_queries, context_len, device=query.device)
+    mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.transpose(0, 1)
+
+
+def causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Prefill with no cached prefix: plain causal attention over the chunk's own K/V."""
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1),
+        key.transpose(0, 1),
+        value.transpose(0, 1),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)

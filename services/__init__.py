@@ -1,0 +1,1 @@
+"""stoker's processes: api, tokenizer, scheduler, worker, plus the in-process engine."""

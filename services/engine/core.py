@@ -1,0 +1,62 @@
+"""In-process engine: scheduler core + model runner in one loop. Used by the offline `LLM`,
+tests and benchmarks; the services split the same two cores across processes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from common.config import EngineConfig
+from common.sampling_params import SamplingParams
+from common.validation import check_request
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.request import Request
+from services.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from services.worker.model_runner import ModelRunner
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.model_config = self.runner.model_cfg
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+            ),
+            self.block_manager,
+        )
+
+    def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
+        max_tokens = check_request(
+            prompt_token_ids, params, self.max_model_len, self.model_config.vocab_size
+        )
+        blocks_needed = -(-(len(prompt_token_ids) + 1) // self.config.block_size)
+        if blocks_needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"the prompt needs {blocks_needed} KV blocks but the cache has only "
+                f"{self.block_manager.num_blocks}"
+            )
+        return max_tokens
+
+    def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        max_tokens = self.check(prompt_token_ids, params)
+        self.scheduler.add_request(
+            Request(req_id, prompt_token_ids, params, max_tokens, self.model_config.eos_token_ids)
+        )
+
+    def abort(self, req_id: str) -> bool:
+        return self.scheduler.abort(req_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestUpdate]:
+        plan = self.scheduler.schedule()
+        result = self.runner.execute(plan)
+        return self.scheduler.update(plan, result)

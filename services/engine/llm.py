@@ -1,0 +1,160 @@
+"""The offline API, shaped like vLLM's: `LLM(model).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from collections.abc import Sequence
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tqdm.auto import tqdm  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from common.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from common.messages import TokenLogprobs  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
+from services.engine.core import EngineCore  # noqa: E402
+from services.tokenizer.detokenizer import IncrementalDetokenizer  # noqa: E402
+
+Prompt = str | Sequence[int]
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    # The first completion's fields, for the common n=1 case.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        return self.outputs[0].logprobs
+
+
+@dataclasses.dataclass
+class _Pending:
+    output: CompletionOutput
+    detok: IncrementalDetokenizer
+    parent: RequestOutput
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        config = EngineConfig(model=str(model or DEFAULT_MODEL), **engine_options)
+        self.engine = EngineCore(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params_list) != len(prompts):
+            raise ValueError("sampling_params must be one SamplingParams or one per prompt")
+
+        # Validate everything before queueing anything, so a bad prompt leaves no state behind.
+        tokenized = [self._tokenize(p) for p in prompts]
+        for (_, ids), params in zip(tokenized, params_list):
+            self.engine.check(ids, params)
+
+        results: list[RequestOutput] = []
+        pending: dict[str, _Pending] = {}
+        for (text, ids), params in zip(tokenized, params_list):
+            parent = RequestOutput(str(next(self._ids)), text, ids, [])
+            results.append(parent)
+            for index in range(params.n):
+                child = params
+                if params.n > 1 and params.seed is not None:
+                    child = _replace(params, seed=params.seed + index)
+                req_id = f"{parent.request_id}-{index}"
+                out = CompletionOutput(
+                    index, "", [], None, [] if params.logprobs is not None else None
+                )
+                parent.outputs.append(out)
+                pending[req_id] = _Pending(
+                    out, IncrementalDetokenizer(self.tokenizer, ids, child), parent
+                )
+                self.engine.add_request(req_id, ids, child)
+
+        show = use_tqdm if use_tqdm is not None else len(pending) >= 16
+        bar = tqdm(total=len(pending), desc="generate", unit="req", disable=not show)
+        try:
+            while self.engine.has_unfinished():
+                for update in self.engine.step():
+                    item = pending[update.req_id]
+                    out = item.output
+                    out.token_ids.extend(update.new_token_ids)
+                    if update.logprobs is not None and out.logprobs is not None:
+                        out.logprobs.extend(lp for lp in update.logprobs if lp is not None)
+                    finish = update.finish_reason.value if update.finish_reason else None
+                    item.detok.add_tokens(update.new_token_ids)
+                    if finish is None and item.detok.stopped:
+                        self.engine.abort(update.req_id)
+                        finish = "stop"
+                    if finish is not None:
+                        item.detok.finish()
+                        out.text = item.detok.text
+                        out.finish_reason = finish
+                        bar.update(1)
+        except BaseException:
+            for req_id in pending:
+                self.engine.abort(req_id)
+            raise
+        finally:
+            bar.close()
+        return results
+
+
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(params, **changes)

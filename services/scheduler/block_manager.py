@@ -1,0 +1,234 @@
+"""Sans-IO paged-KV block manager: the scheduler's view of the worker's KV cache.
+
+A pool of `num_blocks` physical blocks of `block_size` token slots, each with a ref count, plus
+prefix caching over FULL, computed blocks. Every block is in exactly one state:
+
+- free: on the free list, no content worth keeping;
+- cached: ref 0 but registered in the prefix cache; kept in an LRU and evicted on demand;
+- in use: ref > 0, held by one or more sequences.
+
+Prefix cache keying. Why a hash chain rather than a radix tree: lookups are one O(1) dict probe
+per block, a sequence's blocks stay a flat list of ids that maps 1:1 onto the worker's block
+table, and any unreferenced block can be evicted on its own with no tree surgery. Rather than
+chaining a 64-bit hash of the parent (where one collision, or a parent evicted and re-registered
+with colliding content, silently serves another prefix's KV), each full block is keyed by
+`(registration id of its parent's cache entry, tuple(its tokens))`. The dict compares keys
+exactly, and registration ids are never reused, so a hit is exact by induction down the chain
+and the children of an evicted entry simply become unreachable (and age out of the LRU). That
+is rare: freeing tail-first makes parents outlive their children in the LRU; only children
+chained off another seq's identical block (see cache_blocks) can be orphaned early.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+_ROOT = 0  # parent registration id of a sequence's first block; real ids start at 1
+
+CacheKey = tuple[int, tuple[int, ...]]
+
+
+class _Seq:
+    __slots__ = ("blocks", "num_hashed", "parent")
+
+    def __init__(self, blocks: list[int], num_hashed: int, parent: int) -> None:
+        self.blocks = blocks  # physical block ids, in order
+        self.num_hashed = num_hashed  # leading blocks that are full, computed and already keyed
+        self.parent = parent  # registration id of the cache entry matching block num_hashed-1
+
+
+class BlockManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_queries = 0  # tokens looked up by allocate_prefix (cumulative)
+        self.prefix_hits = 0  # tokens served from the cache (cumulative)
+        self._ref = [0] * num_blocks
+        self._key: list[CacheKey | None] = [None] * num_blocks  # cache key of a registered block
+        self._reg = [0] * num_blocks  # registration id of a registered block, 0 if none
+        self._next_reg = _ROOT + 1
+        self._cached: dict[CacheKey, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached, ref 0; oldest first
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pops 0, 1, 2, ...
+        self._seqs: dict[Hashable, _Seq] = {}
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    def num_free_blocks(self) -> int:
+        return len(self._free) + len(self._lru)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks() / self.num_blocks
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return self._seqs[seq_id].blocks
+
+    def has_seq(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
+        return len(self._match(token_ids)) * self.block_size
+
+    def can_allocate(self, seq_id: Hashable, num_tokens: int) -> bool:
+        seq = self._seqs.get(seq_id)
+        have = len(seq.blocks) if seq is not None else 0
+        return -(-num_tokens // self.block_size) - have <= self.num_free_blocks()
+
+    # ---- allocation ----------------------------------------------------------------------------
+
+    def allocate_prefix(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already allocated")
+        hits = self._match(token_ids)
+        for b in hits:
+            if self._ref[b] == 0:
+                del self._lru[b]
+            self._ref[b] += 1
+        parent = self._reg[hits[-1]] if hits else _ROOT
+        self._seqs[seq_id] = _Seq(hits, len(hits), parent)
+        num_hit = len(hits) * self.block_size
+        if self.enable_prefix_caching:  # no lookup happens when disabled
+            self.prefix_queries += len(token_ids)
+            self.prefix_hits += num_hit
+        return num_hit
+
+    def allocate_slots(self, seq_id: Hashable, num_tokens: int) -> list[int] | None:
+        """Grow `seq_id` (created if unknown) to hold num_tokens in total; None if out of blocks."""
+        seq = self._seqs.get(seq_id)
+        have = len(seq.blocks) if seq is not None else 0
+        need = -(-num_tokens // self.block_size) - have
+        if need <= 0:
+            return []
+        if need > self.num_free_blocks():
+            return None  # checked up front so that failure changes nothing
+        new: list[int] = []
+        for _ in range(need):
+            if self._free:
+                b = self._free.pop()
+            else:  # evict the least recently freed cached block
+                b, _ = self._lru.popitem(last=False)
+                self._unregister(b)
+            self._ref[b] = 1
+            new.append(b)
+        if seq is None:
+            seq = self._seqs[seq_id] = _Seq([], 0, _ROOT)
+        seq.blocks.extend(new)
+        return new
+
+    def cache_blocks(
+        self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
+        """Key the seq's newly full and computed blocks; O(1) unless a block just filled."""
+        seq = self._seqs[seq_id]
+        bs = self.block_size
+        n_full = min(num_computed_tokens, len(token_ids), len(seq.blocks) * bs) // bs
+        if n_full <= seq.num_hashed:
+            return
+        if not self.enable_prefix_caching:
+            seq.num_hashed = n_full  # still tracked: fork() shares full computed blocks
+            return
+        parent = seq.parent
+        for i in range(seq.num_hashed, n_full):
+            key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            b = seq.blocks[i]
+            canon = self._cached.get(key)
+            if canon != b and self._key[b] is not None:  # b is cached with other content
+                raise ValueError(f"token_ids of {seq_id!r} disagree with block {b}")
+            if canon is None:
+                canon = b
+                self._key[b] = key
+                self._reg[b] = self._next_reg
+                self._next_reg += 1
+                self._cached[key] = b
+            # else: identical content is already cached (maybe b itself); if it is another
+            # block, keep that mapping and leave b unkeyed; children chain off the canonical one.
+            parent = self._reg[canon]
+        seq.num_hashed, seq.parent = n_full, parent
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> int:
+        """Child shares the parent's full, computed blocks; returns the tokens shared."""
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} already allocated")
+        par = self._seqs[parent_id]
+        shared = par.blocks[: par.num_hashed]
+        for b in shared:
+            self._ref[b] += 1
+        self._seqs[child_id] = _Seq(shared, len(shared), par.parent)
+        return len(shared) * self.block_size
+
+    def free(self, seq_id: Hashable) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return  # aborts may race with finishes
+        # Tail first: the LRU then evicts a sequence's tail before its (more shareable) head.
+        for b in reversed(seq.blocks):
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if self._key[b] is not None:
+                    self._lru[b] = None
+                else:
+                    self._free.append(b)
+
+    def reset_prefix_cache(self) -> bool:
+        if len(self._free) + len(self._lru) != self.num_blocks:
+            return False  # blocks still in use keep their keys
+        for b in self._lru:
+            self._unregister(b)
+            self._free.append(b)
+        self._lru.clear()
+        return True
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _match(self, token_ids: Sequence[int]) -> list[int]:
+        """Longest chain of cached full blocks matching a prefix of token_ids (no refs taken)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, cached, hits = self.block_size, self._cached, []
+        parent = _ROOT
+        for i in range(len(token_ids) // bs):
+            b = cached.get((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+            if b is None:
+                break
+            hits.append(b)
+            parent = self._reg[b]
+        return hits
+
+    def _unregister(self, b: int) -> None:
+        key = self._key[b]
+        assert key is not None
+        del self._cached[key]
+        self._key[b] = None
+        self._reg[b] = 0  # the id is retired: keys chained off it can never match again
+
+    def check_invariants(self) -> None:
+        n = self.num_blocks
+        free, lru = set(self._free), set(self._lru)
+        assert len(free) == len(self._free), "duplicate block on the free list"
+        assert not free & lru, f"blocks both free and cached: {free & lru}"
+        refs = [0] * n
+        for sid, seq in self._seqs.items():
+            assert len(set(seq.blocks)) == len(seq.blocks), f"{sid!r} holds a block twice"
+            assert seq.num_hashed <= len(seq.blocks), f"{sid!r} hashed past its blocks"
+            for b in seq.blocks:
+                refs[b] += 1
+        assert refs == self._ref, "ref counts disagree with the sequences holding blocks"
+        in_use = {b for b in range(n) if refs[b] > 0}
+        assert not in_use & (free | lru), "a referenced block is free or cached"
+        assert len(free) + len(lru) + len(in_use) == n, "a block is in no state"
+        for b in free:
+            assert self._key[b] is None, f"free block {b} still keyed"
+        for b in lru:
+            assert self._key[b] is not None, f"cached block {b} has no key"
+        for key, b in self._cached.items():
+            assert self._key[b] == key, f"cache entry points at block {b} with another key"
+        for b in range(n):
+            key = self._key[b]
+            assert (key is None) == (self._reg[b] == 0), f"block {b}: key/registration mismatch"
+            assert key is None or self._cached.get(key) == b, f"keyed block {b} not in the map"

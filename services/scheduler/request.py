@@ -1,0 +1,89 @@
+"""Scheduler-side request state."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from common.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"
+
+
+class Request:
+    __slots__ = (
+        "req_id",
+        "token_ids",
+        "prompt_len",
+        "params",
+        "max_tokens",
+        "stop_ids",
+        "status",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "num_preemptions",
+        "needs_full_send",
+        "finish_reason",
+        "arrival_time",
+        "first_scheduled_time",
+    )
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: tuple[int, ...],
+        arrival_time: float | None = None,
+    ) -> None:
+        self.req_id = req_id
+        # One growing list (prompt then outputs), so per-step work never copies the context.
+        self.token_ids = list(prompt_token_ids)
+        self.prompt_len = len(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        eos = () if params.ignore_eos else eos_token_ids
+        self.stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit length at first admission; -1 = not yet
+        self.num_preemptions = 0
+        self.needs_full_send = True  # the worker has no state for it (new or preempted)
+        self.finish_reason: FinishReason | None = None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.prompt_len]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    def check_stop(self, max_model_len: int) -> FinishReason | None:
+        """Stops decided on token ids; stop strings are the detokenizer's job."""
+        if self.token_ids[-1] in self.stop_ids:
+            return FinishReason.STOP
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None

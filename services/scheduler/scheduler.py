@@ -1,0 +1,241 @@
+"""The scheduler core (sans-IO): decides which tokens of which requests run in each step.
+
+Policy, in the style of vLLM V1 (no separate prefill and decode phases):
+- Each step has a token budget (`max_num_batched_tokens`) and a request cap (`max_num_seqs`).
+- Running requests go first, in arrival order: each asks for all its uncomputed tokens (1 when
+  decoding; the rest of its prompt when prefilling), capped by the remaining budget. So long
+  prompts are chunked and chunks share a step with decodes.
+- If a running request cannot get KV blocks, the most recently admitted running request is
+  preempted (its blocks freed, recomputed later) until it fits. Preempted requests return to the
+  front of the queue; their freed blocks stay in the prefix cache, so resuming mostly hits the
+  cache instead of recomputing. No new request is admitted in a step that preempted, and new
+  requests are admitted only while a small watermark of blocks stays free: this stops thrashing.
+- Waiting requests are admitted in order while budget, seats and blocks allow, taking their
+  prefix-cache hits first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+from common.messages import NewRequestData, RunningRequestData, StepPlan, StepResult, TokenLogprobs
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.request import FinishReason, Request, RequestStatus
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
+
+
+@dataclasses.dataclass
+class RequestUpdate:
+    """What one step produced for one request: new token(s), and whether it finished."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # for the next plan: worker drops their state
+        self._step_id = 0
+        self.num_preemptions = 0
+        self._watermark_blocks = int(config.watermark * block_manager.num_blocks)
+
+    # -- admission and abort ----------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.req_id in self.requests:
+            raise ValueError(f"duplicate request id {request.req_id!r}")
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def abort(self, req_id: str) -> bool:
+        """Drop a request wherever it is. Unknown or finished ids are ignored."""
+        request = self.requests.get(req_id)
+        if request is None:
+            return False
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- planning -------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        new_requests: list[NewRequestData] = []
+        running = RunningRequestData()
+        preempted = False
+        now = time.monotonic()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self._allocate(request, num_tokens)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_blocks = self._allocate(request, num_tokens)
+            if new_blocks is None:
+                break
+            self._emit(request, num_tokens, new_blocks, new_requests, running)
+            budget -= num_tokens
+            i += 1
+
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            prefix = request.token_ids[:-1]  # always compute at least the last token
+            hit = self.blocks.allocate_prefix(request.req_id, prefix)
+            request.num_computed_tokens = hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = hit
+            num_tokens = min(request.num_tokens - hit, budget)
+            new_blocks = None
+            if self._fits_above_watermark(request, hit + num_tokens):
+                new_blocks = self._allocate(request, num_tokens)
+            if new_blocks is None:
+                # A queued request must hold no blocks, or waiting requests could starve the pool.
+                self.blocks.free(request.req_id)
+                request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            self.running.append(request)
+            self._emit(request, num_tokens, new_blocks, new_requests, running)
+            budget -= num_tokens
+
+        self._step_id += 1
+        plan = StepPlan(
+            step_id=self._step_id,
+            new_requests=new_requests,
+            running=running,
+            finished_req_ids=self._finished_ids,
+        )
+        self._finished_ids = []
+        return plan
+
+    def _fits_above_watermark(self, request: Request, total_tokens: int) -> bool:
+        if not self.running:  # an idle engine always admits, whatever the watermark
+            return True
+        held = len(self.blocks.block_table(request.req_id))
+        needed = -(-total_tokens // self.blocks.block_size) - held
+        return self.blocks.num_free_blocks() - needed >= self._watermark_blocks
+
+    def _allocate(self, request: Request, num_tokens: int) -> list[int] | None:
+        return self.blocks.allocate_slots(request.req_id, request.num_computed_tokens + num_tokens)
+
+    def _emit(
+        self,
+        request: Request,
+        num_tokens: int,
+        new_blocks: list[int],
+        new_requests: list[NewRequestData],
+        running: RunningRequestData,
+    ) -> None:
+        if request.needs_full_send:
+            request.needs_full_send = False
+            new_requests.append(
+                NewRequestData(
+                    req_id=request.req_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=request.output_token_ids,
+                    params=request.params,
+                    block_ids=list(self.blocks.block_table(request.req_id)),
+                    num_computed_tokens=request.num_computed_tokens,
+                    num_scheduled_tokens=num_tokens,
+                )
+            )
+        else:
+            running.req_ids.append(request.req_id)
+            running.num_scheduled_tokens.append(num_tokens)
+            running.new_block_ids.append(new_blocks)
+        # Advance now, not when the result arrives, so the next step can be planned while this
+        # one runs (overlap scheduling).
+        request.num_computed_tokens += num_tokens
+
+    def _preempt(self, request: Request) -> None:
+        self.blocks.free(request.req_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.needs_full_send = True
+        self.num_preemptions += 1
+        self._finished_ids.append(request.req_id)
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.blocks.free(request.req_id)
+        del self.requests[request.req_id]
+        if not request.needs_full_send:  # the worker holds state for it
+            self._finished_ids.append(request.req_id)
+
+    # -- results --------------------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
+        """Apply a step's sampled tokens; return per-request updates (new tokens, finishes)."""
+        updates: list[RequestUpdate] = []
+        logprobs = result.logprobs
+        max_len = self.config.max_model_len
+        for row, (req_id, token) in enumerate(zip(result.req_ids, result.token_ids)):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran: drop the token
+            request.token_ids.append(token)
+            update = RequestUpdate(req_id, [token])
+            if logprobs is not None:
+                update.logprobs = [logprobs[row]]
+            reason = request.check_stop(max_len)
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason)
+                update.finish_reason = reason
+            updates.append(update)
+        self._cache_computed_blocks(plan)
+        return updates
+
+    def _cache_computed_blocks(self, plan: StepPlan) -> None:
+        ids = [n.req_id for n in plan.new_requests] + plan.running.req_ids
+        for req_id in ids:
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self.blocks.cache_blocks(req_id, request.token_ids, request.num_computed_tokens)

@@ -1,0 +1,29 @@
+"""Per-step attention inputs, built once per step by the model runner and shared by all layers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class PrefillSpan:
+    """One request's chunk of query tokens: rows [start, end) of the step's flat token batch."""
+
+    start: int
+    end: int
+    context_len: int  # tokens attended to, including this chunk
+    block_table: torch.Tensor | None  # None when the chunk starts at position 0 (no paged read)
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """The step's tokens are laid out decode-first: rows [0, num_decode) hold one token per
+    decoding request; prefill chunks follow, described by `prefills`."""
+
+    slot_mapping: torch.Tensor  # [T] flat KV slot for each token
+    num_decode: int
+    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks]
+    decode_context_lens: torch.Tensor | None  # [num_decode]
+    prefills: list[PrefillSpan]

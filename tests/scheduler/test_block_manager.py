@@ -1,0 +1,300 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from services.scheduler.block_manager import BlockManager
+
+BS = 4
+
+
+def run_prompt(bm: BlockManager, sid: str, prompt: list[int]) -> int:
+    """Admit and fully prefill a prompt the way the scheduler does; returns the cached tokens."""
+    hit = bm.allocate_prefix(sid, prompt[:-1])
+    assert bm.allocate_slots(sid, len(prompt)) is not None
+    bm.cache_blocks(sid, prompt, len(prompt))
+    bm.check_invariants()
+    return hit
+
+
+def test_allocate_free_round_trip() -> None:
+    bm = BlockManager(8, BS)
+    assert bm.allocate_prefix("a", list(range(9))) == 0
+    new = bm.allocate_slots("a", 10)
+    assert new == bm.block_table("a") and len(new) == 3
+    assert bm.allocate_slots("a", 12) == []  # still fits in 3 blocks
+    assert bm.allocate_slots("a", 13) == [new[-1] + 1]
+    assert bm.num_free_blocks() == 4 and bm.usage() == 0.5
+    bm.check_invariants()
+    bm.free("a")
+    assert not bm.has_seq("a") and bm.num_free_blocks() == 8 and bm.usage() == 0.0
+    bm.check_invariants()
+
+
+def test_prefix_hit_after_free_is_content_verified() -> None:
+    bm = BlockManager(16, BS)
+    prompt = list(range(10))  # 2 full blocks + a partial one
+    run_prompt(bm, "a", prompt)
+    table = list(bm.block_table("a"))
+    bm.free("a")
+    assert bm.num_cached_tokens(prompt) == 8  # the partial block is not cached
+    assert bm.num_cached_tokens(prompt[:7]) == 4  # only full blocks of the query count
+    assert bm.allocate_prefix("b", prompt[:-1]) == 8
+    assert bm.block_table("b") == table[:2]
+    # Same second block after a different first block: the chain stops at block 0.
+    assert bm.num_cached_tokens([9, 9, 9, 9] + prompt[4:]) == 0
+    assert bm.num_cached_tokens(prompt[:4] + [9, 9, 9, 9]) == 4
+    bm.check_invariants()
+
+
+def test_lru_evicts_least_recently_freed_tail_first() -> None:
+    bm = BlockManager(5, BS)
+    a, b = list(range(12)), list(range(100, 108))
+    run_prompt(bm, "a", a)  # blocks 0, 1, 2
+    run_prompt(bm, "b", b)  # blocks 3, 4
+    bm.free("a")
+    bm.free("b")
+    assert bm.num_free_blocks() == 5 and bm.usage() == 0.0
+    assert bm.allocate_slots("c", 1) == [2]  # a's tail goes first
+    assert bm.num_cached_tokens(a) == 8 and bm.num_cached_tokens(b) == 8
+    assert bm.allocate_slots("c", 9) == [1, 0]  # then the rest of a, head last
+    assert bm.num_cached_tokens(a) == 0 and bm.num_cached_tokens(b) == 8
+    bm.check_invariants()
+
+
+def test_hit_refreshes_lru_position() -> None:
+    bm = BlockManager(4, BS)
+    a, b = list(range(8)), list(range(100, 108))
+    run_prompt(bm, "a", a)  # blocks 0, 1
+    run_prompt(bm, "b", b)  # blocks 2, 3
+    bm.free("a")
+    bm.free("b")
+    assert bm.allocate_prefix("a2", a) == 8  # ref 0 -> 1 takes a's blocks out of the LRU
+    bm.free("a2")  # ... and puts them back as most recent
+    assert bm.allocate_slots("c", 8) == [3, 2]
+    assert bm.num_cached_tokens(a) == 8 and bm.num_cached_tokens(b) == 0
+
+
+def test_failed_allocate_slots_changes_nothing() -> None:
+    bm = BlockManager(4, BS)
+    run_prompt(bm, "a", list(range(8)))
+    bm.free("a")  # 2 cached + 2 free
+    bm.allocate_prefix("b", [7, 7, 7])
+    assert not bm.can_allocate("b", 17) and bm.can_allocate("b", 16)
+    assert not bm.can_allocate("new", 17) and bm.can_allocate("new", 16)
+    assert bm.allocate_slots("b", 17) is None
+    assert bm.allocate_slots("new", 17) is None and not bm.has_seq("new")
+    assert bm.block_table("b") == [] and bm.num_free_blocks() == 4
+    assert bm.num_cached_tokens(list(range(8))) == 8  # nothing was evicted
+    bm.check_invariants()
+
+
+def test_fork_shares_full_computed_blocks() -> None:
+    bm = BlockManager(8, BS)
+    prompt = list(range(10))
+    run_prompt(bm, "p", prompt)
+    assert bm.fork("p", "c") == 8
+    assert bm.block_table("c") == bm.block_table("p")[:2]
+    with pytest.raises(ValueError):
+        bm.fork("p", "c")
+    assert bm.allocate_slots("c", 11) == [3]  # the child's own tail
+    bm.cache_blocks("c", prompt + [5], 11)
+    bm.check_invariants()
+    bm.free("p")
+    assert bm.usage() == 3 / 8  # the shared blocks live on in the child
+    bm.free("c")
+    assert bm.num_free_blocks() == 8
+    bm.check_invariants()
+
+
+def test_identical_blocks_computed_concurrently_keep_first_mapping() -> None:
+    bm = BlockManager(8, BS)
+    prompt = list(range(9))
+    for sid in ("a", "b"):  # both admitted before either computed anything
+        assert bm.allocate_prefix(sid, prompt[:-1]) == 0
+        bm.allocate_slots(sid, len(prompt))
+    for sid in ("a", "b"):
+        bm.cache_blocks(sid, prompt, len(prompt))
+        bm.check_invariants()
+    a_table = list(bm.block_table("a"))
+    bm.free("b")  # b's copies are unkeyed: straight back to the free list
+    bm.free("a")
+    assert bm.allocate_prefix("c", prompt) == 8 and bm.block_table("c") == a_table[:2]
+    bm.check_invariants()
+
+
+def test_cache_disabled() -> None:
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    prompt = list(range(10))
+    assert run_prompt(bm, "a", prompt) == 0
+    bm.free("a")
+    assert bm.num_cached_tokens(prompt) == 0
+    assert run_prompt(bm, "b", prompt) == 0
+    assert bm.prefix_queries == bm.prefix_hits == 0
+    assert bm.fork("b", "c") == 8  # forks still share full computed blocks
+    bm.free("b")
+    bm.free("c")
+    assert bm.num_free_blocks() == 8
+    bm.check_invariants()
+
+
+def test_counters_are_in_tokens() -> None:
+    bm = BlockManager(8, BS)
+    prompt = list(range(10))
+    run_prompt(bm, "a", prompt)
+    assert (bm.prefix_queries, bm.prefix_hits) == (9, 0)
+    bm.num_cached_tokens(prompt)  # read-only
+    run_prompt(bm, "b", prompt)
+    assert (bm.prefix_queries, bm.prefix_hits) == (18, 8)
+
+
+def test_reset_prefix_cache() -> None:
+    bm = BlockManager(8, BS)
+    prompt = list(range(8))
+    run_prompt(bm, "a", prompt)
+    assert not bm.reset_prefix_cache()
+    assert bm.num_cached_tokens(prompt) == 8
+    bm.free("a")
+    assert bm.reset_prefix_cache()
+    assert bm.num_cached_tokens(prompt) == 0 and bm.num_free_blocks() == 8
+    bm.check_invariants()
+
+
+def test_free_unknown_and_double_free_are_harmless() -> None:
+    bm = BlockManager(4, BS)
+    bm.free("nope")
+    run_prompt(bm, "a", list(range(5)))
+    bm.free("a")
+    bm.free("a")
+    assert bm.num_free_blocks() == 4
+    bm.check_invariants()
+    bm.allocate_prefix("b", [1])
+    with pytest.raises(ValueError):  # a live seq id cannot be admitted twice
+        bm.allocate_prefix("b", [1])
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random workloads over a tiny vocab so that prefixes collide often.
+
+    Alongside the manager it models what each physical block holds, writing tokens into the
+    block table as the worker would, and checks every prefix hit against that content. A block's
+    KV depends on every token before it, so the model records the whole prefix it was computed
+    under, not just its own tokens.
+    """
+
+    @initialize(
+        num_blocks=st.integers(2, 24),
+        block_size=st.sampled_from([1, 2, 4]),
+        caching=st.booleans(),
+    )
+    def setup(self, num_blocks: int, block_size: int, caching: bool) -> None:
+        self.bm = BlockManager(num_blocks, block_size, caching)
+        self.bs = block_size
+        self.content: dict[int, tuple[int, ...] | None] = {}  # block -> prefix it was computed for
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.next_id = 0
+
+    def _write(self, sid: str, upto: int) -> None:
+        """The worker computes tokens [computed, upto) into the seq's blocks."""
+        table = self.bm.block_table(sid)
+        others = {b for s in self.tokens if s != sid for b in self.bm.block_table(s)}
+        for p in range(self.computed[sid], upto):
+            b = table[p // self.bs]
+            assert b not in others, f"{sid} writes into shared block {b}"
+            self.content[b] = tuple(self.tokens[sid][: p + 1])
+        self.computed[sid] = upto
+        self.bm.cache_blocks(sid, self.tokens[sid], upto)
+
+    def _grow(self, sid: str) -> bool:
+        n = len(self.tokens[sid])
+        ok = self.bm.can_allocate(sid, n)
+        before = (list(self.bm.block_table(sid)), self.bm.num_free_blocks())
+        new = self.bm.allocate_slots(sid, n)
+        assert ok == (new is not None)
+        if new is None:
+            assert (self.bm.block_table(sid), self.bm.num_free_blocks()) == before
+            return False
+        for b in new:
+            self.content[b] = None  # fresh block: stale content is gone
+        assert len(self.bm.block_table(sid)) == -(-n // self.bs)
+        return True
+
+    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=12))
+    def admit(self, prompt: list[int]) -> None:
+        sid = f"s{self.next_id}"
+        self.next_id += 1
+        expected = self.bm.num_cached_tokens(prompt[:-1])
+        hit = self.bm.allocate_prefix(sid, prompt[:-1])
+        assert hit == expected and hit % self.bs == 0 and hit < len(prompt)
+        for i, b in enumerate(self.bm.block_table(sid)):
+            assert self.content[b] == tuple(prompt[: (i + 1) * self.bs]), "false hit"
+        self.tokens[sid], self.computed[sid] = list(prompt), hit
+        if not self._grow(sid):
+            self.bm.free(sid)  # the scheduler would leave it waiting
+            del self.tokens[sid], self.computed[sid]
+            return
+        self._write(sid, len(prompt))
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), new=st.lists(st.integers(0, 2), min_size=1, max_size=5))
+    def append(self, data: st.DataObject, new: list[int]) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.tokens[sid] += new
+        if self._grow(sid):
+            self._write(sid, len(self.tokens[sid]))
+        else:
+            del self.tokens[sid][-len(new) :]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        child = f"s{self.next_id}"
+        self.next_id += 1
+        shared = self.bm.fork(parent, child)
+        assert shared == self.computed[parent] // self.bs * self.bs  # all full computed blocks
+        assert self.bm.block_table(child) == self.bm.block_table(parent)[: shared // self.bs]
+        self.tokens[child], self.computed[child] = list(self.tokens[parent]), shared
+
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.tokens) + ["unknown"]))
+        self.bm.free(sid)
+        self.tokens.pop(sid, None)
+        self.computed.pop(sid, None)
+
+    @rule()
+    def reset(self) -> None:
+        assert self.bm.reset_prefix_cache() == (self.bm.usage() == 0.0)
+
+    @invariant()
+    def consistent(self) -> None:
+        if hasattr(self, "bm"):
+            self.bm.check_invariants()
+
+    def teardown(self) -> None:
+        if not hasattr(self, "bm"):
+            return
+        for sid in list(self.tokens):
+            self.bm.free(sid)
+        self.bm.check_invariants()
+        assert self.bm.num_free_blocks() == self.bm.num_blocks and self.bm.usage() == 0.0
+        assert self.bm.prefix_hits <= self.bm.prefix_queries
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=100,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_block_manager_state_machine = BlockManagerMachine.TestCase

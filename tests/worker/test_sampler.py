@@ -1,0 +1,200 @@
+"""Tests for the batched sampler: greedy, seeding, sampled distributions, penalties, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.sampling_params import SamplingParams
+from services.worker.sampler import Sampler, SamplingBatch, apply_penalties
+
+V = 8
+N = 20_000  # samples per distribution test, drawn as one batch of identical rows
+# Each empirical frequency has std <= sqrt(0.25 / N) ~= 0.0035; 0.015 is > 4 sigma, and the
+# generators are seeded, so these tests are deterministic.
+TOL = 0.015
+PROBS = torch.tensor([0.35, 0.25, 0.15, 0.10, 0.06, 0.04, 0.03, 0.02])
+
+
+def build(
+    params: list[SamplingParams], outputs=None, prompts=None, vocab: int = V
+) -> SamplingBatch:
+    outputs = outputs if outputs is not None else [[] for _ in params]
+    prompts = prompts if prompts is not None else [[] for _ in params]
+    return SamplingBatch.build(params, prompts, outputs, vocab, "cpu")
+
+
+def empirical(params: SamplingParams, logits: torch.Tensor = PROBS.log()) -> torch.Tensor:
+    sampler = Sampler(generator=torch.Generator().manual_seed(1234))
+    out = sampler(logits.expand(N, -1), build([params] * N))
+    return torch.bincount(out.token_ids, minlength=logits.shape[-1]).float() / N
+
+
+def renorm(p: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    q = torch.zeros_like(p)
+    q[keep] = p[keep]
+    return q / q.sum()
+
+
+def test_greedy_is_argmax_and_top_k1_matches():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    expected = logits.argmax(-1)
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1)):
+        batch = build([params] * 6, vocab=50)
+        assert batch.all_greedy
+        assert torch.equal(Sampler()(logits, batch).token_ids, expected)
+
+
+def test_mixed_batch_greedy_rows_stay_greedy():
+    logits = torch.zeros(4, 16)
+    logits[:, 3] = 2.0  # argmax everywhere; random rows over a flat-ish distribution
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=5.0),
+        SamplingParams(top_k=1),
+        SamplingParams(temperature=5.0, seed=7),
+    ]
+    picked = torch.stack(
+        [
+            Sampler(torch.Generator().manual_seed(s))(logits, build(params, vocab=16)).token_ids
+            for s in range(40)
+        ]
+    )
+    assert (picked[:, 0] == 3).all() and (picked[:, 2] == 3).all()
+    assert (picked[:, 1] != 3).any()  # the random row really samples
+    assert (picked[:, 3] == picked[0, 3]).all()  # same seed, same position: same token
+
+
+def run_steps(seed: int, others: list[SamplingParams], row: int, steps: int = 6) -> list[int]:
+    """Generate `steps` tokens for a seeded request placed at `row` among `others`."""
+    vocab = 64
+    target = SamplingParams(temperature=1.0, top_p=0.95, seed=seed)
+    params = others[:row] + [target] + others[row:]
+    outputs: list[list[int]] = [[] for _ in params]
+    sampler = Sampler(generator=torch.Generator().manual_seed(len(others) * 100 + row))
+    for step in range(steps):
+        # The target's logits depend only on the step; other rows get arbitrary logits.
+        logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(99 + row))
+        logits[row] = torch.randn(vocab, generator=torch.Generator().manual_seed(step)) * 0.5
+        # Other rows have generated different amounts, so output positions differ per row.
+        out = sampler(logits, build(params, outputs=outputs, vocab=vocab)).token_ids.tolist()
+        for i, tok in enumerate(out):
+            outputs[i].append(tok)
+    return outputs[row]
+
+
+def test_seed_reproducible_whatever_the_batch():
+    alone = run_steps(42, [], 0)
+    others = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=5, seed=3),
+        SamplingParams(temperature=1.3, min_p=0.1, presence_penalty=0.5),
+        SamplingParams(),
+    ]
+    assert run_steps(42, others, 2) == alone
+    assert run_steps(42, others[:1], 1) == alone
+    assert run_steps(42, others[1:], 0) == alone
+
+
+def test_seed_depends_on_output_position_only():
+    """A preempted request re-run from the same position replays the same token."""
+    logits = torch.zeros(1, 64)
+    p = SamplingParams(seed=5)
+    a = Sampler()(logits, build([p], outputs=[[1, 2, 3]], vocab=64)).token_ids
+    b = Sampler()(logits, build([p], outputs=[[9, 9, 9]], vocab=64)).token_ids
+    assert torch.equal(a, b)
+    # ...while each new position draws fresh noise.
+    steps = [build([p], outputs=[[0] * n], vocab=64) for n in range(8)]
+    assert len({Sampler()(logits, s).token_ids.item() for s in steps}) > 1
+
+
+def test_different_seeds_differ():
+    assert run_steps(1, [], 0) != run_steps(2, [], 0)
+
+
+@pytest.mark.parametrize(
+    "params, expected",
+    [
+        (SamplingParams(temperature=1.0), PROBS),
+        (SamplingParams(temperature=0.5), torch.softmax(PROBS.log() / 0.5, -1)),
+        (SamplingParams(top_k=3), renorm(PROBS, [0, 1, 2])),
+        # Exclusive mass above tokens: 0, .35, .60, .75 -> keep 3 for top_p=0.7.
+        (SamplingParams(top_p=0.7), renorm(PROBS, [0, 1, 2])),
+        # Top-p applies to the top-k renormalised mass (.467, .333, .2): .467 < .75 <= .8 -> 2.
+        (SamplingParams(top_k=3, top_p=0.75), renorm(PROBS, [0, 1])),
+        # min_p=0.5 drops prob < 0.175.
+        (SamplingParams(min_p=0.5), renorm(PROBS, [0, 1])),
+        # Temperature 2 first (flatter): then min_p=0.5 drops p < 0.5 * max.
+        (
+            SamplingParams(temperature=2.0, min_p=0.5),
+            renorm(torch.softmax(PROBS.log() / 2, -1), [0, 1, 2, 3]),
+        ),
+    ],
+)
+def test_sampled_distribution(params: SamplingParams, expected: torch.Tensor):
+    got = empirical(params)
+    assert (got - expected).abs().max() < TOL, (got, expected)
+    assert (got[expected == 0] == 0).all()  # filtered tokens are never drawn
+
+
+def test_penalties_match_reference_loop():
+    gen = torch.Generator().manual_seed(0)
+    vocab = 10
+    logits = torch.randn(4, vocab, generator=gen) * 3
+    params = [
+        SamplingParams(repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3),
+        SamplingParams(),  # untouched row in a penalised batch
+        SamplingParams(temperature=0.0, repetition_penalty=0.7, presence_penalty=-1.0),
+        SamplingParams(frequency_penalty=-0.5),
+    ]
+    prompts = [[1, 2, 2, 5], [0, 1], [3, 3, 4], []]
+    outputs = [[2, 2, 7, 7, 7], [0], [], [4, 4, 9]]
+    batch = build(params, outputs=outputs, prompts=prompts, vocab=vocab)
+    got = apply_penalties(logits, batch)
+
+    ref = logits.clone()
+    for b, p in enumerate(params):
+        for t in range(vocab):
+            x = ref[b, t].item()
+            if t in prompts[b] or t in outputs[b]:
+                x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+            count = outputs[b].count(t)
+            x -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+            ref[b, t] = x
+    torch.testing.assert_close(got, ref)
+    assert torch.equal(got[1], logits[1])
+    assert build(params[1:2], vocab=vocab).no_penalties  # fast path: nothing built
+    assert apply_penalties(logits, build([SamplingParams()] * 4, vocab=vocab)) is logits
+
+
+def test_greedy_uses_penalised_logits():
+    logits = torch.tensor([[0.0, 2.0, 1.5, 0.0]])
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    assert Sampler()(logits, build([p], outputs=[[1]], vocab=4)).token_ids.item() == 2
+
+
+def test_logprobs_from_raw_logits():
+    gen = torch.Generator().manual_seed(3)
+    vocab = 32
+    logits = torch.randn(3, vocab, generator=gen).to(torch.bfloat16)
+    params = [
+        SamplingParams(temperature=0.5, presence_penalty=1.0, logprobs=2),
+        SamplingParams(),
+        SamplingParams(temperature=0.0, logprobs=5),
+    ]
+    out = Sampler()(logits, build(params, outputs=[[0, 1], [], [2]], vocab=vocab))
+    raw = torch.log_softmax(logits.float(), -1)
+    assert out.logprobs is not None and out.top_ids is not None and out.top_logprobs is not None
+    assert out.logprobs.dtype == torch.float32 and out.token_ids.dtype == torch.int64
+    torch.testing.assert_close(out.logprobs, raw.gather(1, out.token_ids[:, None]).squeeze(1))
+    assert out.top_ids.shape == (3, 5) and out.top_logprobs.shape == (3, 5)  # K = max asked
+    assert (out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all()
+    torch.testing.assert_close(out.top_logprobs, raw.gather(1, out.top_ids))
+    torch.testing.assert_close(out.top_logprobs, raw.topk(5, -1).values)
+
+
+def test_no_logprobs_when_none_asked():
+    out = Sampler()(torch.randn(2, V), build([SamplingParams(), SamplingParams(seed=1)]))
+    assert out.logprobs is None and out.top_ids is None and out.top_logprobs is None
+    out = Sampler()(torch.randn(2, V), build([SamplingParams(logprobs=0), SamplingParams()]))
+    assert out.top_ids is not None and out.top_ids.shape == (2, 0)
