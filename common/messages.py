@@ -59,3 +59,112 @@ class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    idle_s: float = 0.0  # worker time spent waiting for this plan (the device's idle gap)
+
+
+# --- api <-> tokenizer <-> scheduler ---------------------------------------------------------
+
+
+class ChatMessage(msgspec.Struct, array_like=True):
+    role: str
+    content: str
+
+
+class TokenizeRequest(msgspec.Struct, array_like=True, tag="tokenize"):
+    """api -> tokenizer. Exactly one of prompt, prompt_token_ids, messages is set."""
+
+    req_id: str
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    arrival_time: float = 0.0  # time.time() at the api, for queue/TTFT metrics
+
+
+class GenerateRequest(msgspec.Struct, array_like=True, gc=False, tag="generate"):
+    """tokenizer -> scheduler. The scheduler replies to the tokenizer that sent it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class Abort(msgspec.Struct, array_like=True, tag="abort"):
+    """api or tokenizer -> scheduler: drop these requests and free their blocks. Unknown ids are
+    ignored. `reason` is 'abort' (client went away) or 'stop' (a stop string matched)."""
+
+    req_ids: list[str]
+    reason: str = "abort"
+
+
+class RequestTokens(msgspec.Struct, array_like=True, gc=False):
+    """New tokens for one request from one step (several when speculating)."""
+
+    req_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # stop | length | abort
+    logprobs: list[TokenLogprobs] | None = None
+    num_prompt_tokens: int = 0  # set on the first message of a request
+    num_cached_tokens: int = 0  # prefix-cache hit, set on the first message
+    queue_s: float = 0.0  # time from arrival to first schedule, set on the first message
+    error: str | None = None  # the scheduler rejected the request (finish_reason "abort")
+
+
+class TokenBatch(msgspec.Struct, array_like=True, gc=False, tag="tokens"):
+    """scheduler -> tokenizer: one message per tokenizer per step."""
+
+    items: list[RequestTokens]
+
+
+class TextDelta(msgspec.Struct, array_like=True, gc=False):
+    req_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    queue_s: float = 0.0
+    error: str | None = None  # request rejected (e.g. prompt too long): 400 with this message
+
+
+class TextBatch(msgspec.Struct, array_like=True, gc=False, tag="text"):
+    """tokenizer -> api: detokenized deltas, batched per step."""
+
+    tokenizer_id: str
+    items: list[TextDelta]
+
+
+class TokenizerHeartbeat(msgspec.Struct, array_like=True, tag="tok_heartbeat"):
+    tokenizer_id: str
+    pid: int
+    requests_served: int
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, tag="sched_stats"):
+    """scheduler -> api, a few times a second and whenever the engine goes idle."""
+
+    worker_ready: bool
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_usage: float
+    prefix_queries: int  # cumulative, in tokens
+    prefix_hits: int
+    num_preemptions: int
+    max_model_len: int
+    model_name: str
+
+
+class WorkerReady(msgspec.Struct, array_like=True, tag="worker_ready"):
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+
+
+ApiInbound = TextBatch | TokenizerHeartbeat | SchedulerStats
+SchedulerInbound = GenerateRequest | Abort

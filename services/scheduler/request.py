@@ -30,6 +30,7 @@ class Request:
         "stop_ids",
         "status",
         "num_computed_tokens",
+        "num_placeholders",
         "num_cached_tokens",
         "num_preemptions",
         "needs_full_send",
@@ -57,6 +58,8 @@ class Request:
         self.stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens being sampled by steps in flight, not yet known here (overlap scheduling).
+        self.num_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first admission; -1 = not yet
         self.num_preemptions = 0
         self.needs_full_send = True  # the worker has no state for it (new or preempted)
@@ -67,6 +70,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Known tokens plus the ones steps in flight will sample."""
+        return len(self.token_ids) + self.num_placeholders
+
+    def is_done_after_inflight(self, max_model_len: int) -> bool:
+        """Once the steps in flight return, this request must stop: schedule nothing more."""
+        planned_outputs = self.num_output_tokens + self.num_placeholders
+        return planned_outputs >= self.max_tokens or self.num_planned_tokens >= max_model_len
 
     @property
     def num_output_tokens(self) -> int:

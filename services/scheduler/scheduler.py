@@ -98,7 +98,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_tokens = min(request.num_planned_tokens - request.num_computed_tokens, budget)
+            if num_tokens <= 0 or request.is_done_after_inflight(self.config.max_model_len):
+                i += 1
+                continue
             new_blocks = self._allocate(request, num_tokens)
             while new_blocks is None:
                 victim = self.running.pop()
@@ -188,13 +191,17 @@ class Scheduler:
             running.num_scheduled_tokens.append(num_tokens)
             running.new_block_ids.append(new_blocks)
         # Advance now, not when the result arrives, so the next step can be planned while this
-        # one runs (overlap scheduling).
+        # one runs (overlap scheduling): a step that reaches the end of the known tokens will
+        # sample one, which the next plan already counts on as a placeholder.
         request.num_computed_tokens += num_tokens
+        if request.num_computed_tokens == request.num_planned_tokens:
+            request.num_placeholders += 1
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request.req_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.num_placeholders = 0
         request.num_preemptions += 1
         request.needs_full_send = True
         self.num_preemptions += 1
@@ -221,6 +228,7 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran: drop the token
             request.token_ids.append(token)
+            request.num_placeholders -= 1
             update = RequestUpdate(req_id, [token])
             if logprobs is not None:
                 update.logprobs = [logprobs[row]]
@@ -238,4 +246,5 @@ class Scheduler:
         for req_id in ids:
             request = self.requests.get(req_id)
             if request is not None and request.status == RequestStatus.RUNNING:
-                self.blocks.cache_blocks(req_id, request.token_ids, request.num_computed_tokens)
+                computed = min(request.num_computed_tokens, request.num_tokens)
+                self.blocks.cache_blocks(req_id, request.token_ids, computed)

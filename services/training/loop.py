@@ -119,20 +119,15 @@ def train(
     return state
 
 
-def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy over every position of `batch` (no padding in training)."""
-    logits = model(input_ids=batch[:, :-1]).logits.float()
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-
-
 @torch.no_grad()
-def evaluate_nll(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 8) -> float:
+def evaluate_nll(
+    logits_fn: Callable[[torch.Tensor], torch.Tensor], windows: torch.Tensor, batch_size: int = 8
+) -> float:
     """Mean next-token negative log-likelihood (nats) over all windows, in float32."""
-    model.eval()
     total, count = 0.0, 0
     for i in range(0, windows.shape[0], batch_size):
         chunk = windows[i : i + batch_size]
-        logits = model(input_ids=chunk[:, :-1]).logits.float()
+        logits = logits_fn(chunk[:, :-1]).float()
         nll = torch.nn.functional.cross_entropy(
             logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum"
         )

@@ -44,7 +44,7 @@ def build_streams(
     chat: list[int] = []
     if chat_frac > 0:
         target = int(len(train) * chat_frac / (1.0 - chat_frac))
-        for conv in chat_exchanges(train_docs, count=max(1, target // 80), seed=seed):
+        for conv in chat_exchanges(train_docs, count=max(1, target // 40), seed=seed):
             chat.extend(tok.encode(render_chat(conv), add_special_tokens=False).ids)
             if len(chat) >= target:
                 break
@@ -94,9 +94,10 @@ class EvalResult:
         return math.exp(self.nll)
 
 
-def evaluate(model: torch.nn.Module, streams: Streams, seq_len: int, bos_id: int) -> EvalResult:
+def evaluate(model: net.LeanLlama, streams: Streams, seq_len: int, bos_id: int) -> EvalResult:
     """Teacher-forced NLL over the held-out stream in non-overlapping <bos>-led windows."""
     windows = loop.TokenStream(streams.val, seq_len, bos_id).sequential()
+    model.eval()
     nll = loop.evaluate_nll(model, windows)
     tokens = windows[:, 1:].numel()
     covered_bytes = streams.val_bytes * tokens / streams.val.numel()

@@ -1,0 +1,25 @@
+"""msgspec encoders/decoders for each socket, created once (they cache type info)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from common.messages import (
+    ApiInbound,
+    SchedulerInbound,
+    SchedulerStats,
+    StepPlan,
+    StepResult,
+    TokenBatch,
+    TokenizeRequest,
+    WorkerReady,
+)
+
+encoder = msgspec.msgpack.Encoder()
+plan_decoder = msgspec.msgpack.Decoder(StepPlan)
+worker_outbound_decoder = msgspec.msgpack.Decoder(StepResult | WorkerReady)
+scheduler_inbound_decoder = msgspec.msgpack.Decoder(SchedulerInbound)
+tokenizer_inbound_decoder = msgspec.msgpack.Decoder(TokenBatch)
+tokenize_request_decoder = msgspec.msgpack.Decoder(TokenizeRequest)
+api_inbound_decoder = msgspec.msgpack.Decoder(ApiInbound)
+api_from_scheduler_decoder = msgspec.msgpack.Decoder(SchedulerStats)

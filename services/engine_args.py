@@ -1,0 +1,50 @@
+"""Command-line flags for EngineConfig, shared by `stoker serve`, the scheduler and the worker.
+Names follow vLLM's (`--max-num-seqs`, `--max-model-len`, ...)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from common.config import DEFAULT_MODEL, EngineConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=str(DEFAULT_MODEL), help="local Hugging Face model folder")
+    g.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--block-size", type=int, default=d.block_size)
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="override KV cache sizing")
+    g.add_argument("--kv-cache-memory-gb", type=float, default=d.kv_cache_memory_gb)
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
+    )
+    g.add_argument("--seed", type=int, default=d.seed)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
+    """Re-serialise engine flags for child processes."""
+    argv: list[str] = []
+    for field in dataclasses.fields(EngineConfig):
+        value = getattr(args, field.name, None)
+        if value is None:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv

@@ -1,0 +1,3 @@
+from services.worker.service import main
+
+main()

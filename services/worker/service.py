@@ -1,0 +1,72 @@
+"""The worker process: a blocking loop around ModelRunner. It does nothing but run steps.
+
+It takes plans from the scheduler's PUSH socket in order and answers each with a StepResult.
+With overlap scheduling the next plan is already queued when a step ends, so the device goes
+straight on; the time spent waiting for a plan is reported as the idle gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import time
+
+import zmq
+
+from common.addresses import Addresses
+from common.config import EngineConfig
+from common.ipc import encoder, plan_decoder
+from common.messages import WorkerReady
+from services.engine_args import add_engine_args, engine_config_from_args
+from services.worker.model_runner import ModelRunner
+
+log = logging.getLogger("stoker.worker")
+
+
+def run_worker(config: EngineConfig, addresses: Addresses) -> None:
+    runner = ModelRunner(config)
+    ctx = zmq.Context()
+    plans = ctx.socket(zmq.PULL)
+    plans.connect(addresses.worker_plan)
+    results = ctx.socket(zmq.PUSH)
+    results.connect(addresses.worker_result)
+    results.send(
+        encoder.encode(
+            WorkerReady(
+                num_blocks=runner.num_blocks,
+                block_size=runner.block_size,
+                max_model_len=runner.max_model_len,
+                vocab_size=runner.model_cfg.vocab_size,
+            )
+        )
+    )
+    log.info("worker ready: %d KV blocks of %d tokens", runner.num_blocks, runner.block_size)
+    idle_since = time.perf_counter()
+    try:
+        while True:
+            raw = plans.recv()
+            started = time.perf_counter()
+            plan = plan_decoder.decode(raw)
+            result = runner.execute(plan)
+            result.idle_s = started - idle_since
+            results.send(encoder.encode(result))
+            idle_since = time.perf_counter()
+    finally:
+        plans.close(linger=0)
+        results.close(linger=0)
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="stoker worker", description=__doc__)
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("STOKER_LOG_LEVEL", "INFO"))
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
+    run_worker(engine_config_from_args(args), Addresses.from_env())
+
+
+if __name__ == "__main__":
+    main()
