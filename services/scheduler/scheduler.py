@@ -39,6 +39,7 @@ class RequestUpdate:
 
     req_id: str
     new_token_ids: list[int]
+    request: Request
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs | None] | None = None
 
@@ -229,7 +230,7 @@ class Scheduler:
                 continue  # aborted or preempted while the step ran: drop the token
             request.token_ids.append(token)
             request.num_placeholders -= 1
-            update = RequestUpdate(req_id, [token])
+            update = RequestUpdate(req_id, [token], request)
             if logprobs is not None:
                 update.logprobs = [logprobs[row]]
             reason = request.check_stop(max_len)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,18 +56,6 @@ def llama_config(
     )
 
 
-def build_model(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
-    """A freshly initialised model (fp32, sdpa attention), deterministic given `seed`."""
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    # GPT-2 style: scale the init of the residual-branch output projections by 1/sqrt(2 L).
-    std = config.initializer_range / (2 * config.num_hidden_layers) ** 0.5
-    for layer in model.model.layers:
-        torch.nn.init.normal_(layer.self_attn.o_proj.weight, std=std)
-        torch.nn.init.normal_(layer.mlp.down_proj.weight, std=std)
-    return model
-
-
 def size_of(config: LlamaConfig) -> LlamaSize:
     heads = config.num_attention_heads
     return LlamaSize(
@@ -85,25 +72,33 @@ def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+def dtype_of(config: PretrainedConfig) -> torch.dtype:
+    """The checkpoint dtype a config declares (float32 when absent or unusual)."""
+    d = getattr(config, "dtype", None) or torch.float32
+    d = getattr(torch, d.replace("torch.", "")) if isinstance(d, str) else d
+    return d if d in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+
+
 def save_model(
-    model: LlamaForCausalLM, out_dir: Path, dtype: torch.dtype, extra_config: dict | None = None
+    config: LlamaConfig, state_dict: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype
 ) -> None:
-    """config.json + model.safetensors + generation_config.json, weights cast to `dtype`."""
+    """config.json + model.safetensors + generation_config.json, weights cast to `dtype`.
+
+    `state_dict` uses transformers' LlamaForCausalLM names; lm_head.weight may be absent
+    (tied embeddings).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    copy = LlamaForCausalLM._from_config(model.config, dtype=dtype)
-    copy.load_state_dict(model.state_dict())
-    copy.config.dtype = dtype
-    copy.config.use_cache = True
-    copy.generation_config = GenerationConfig(
-        bos_token_id=model.config.bos_token_id,
-        eos_token_id=model.config.eos_token_id,
-        pad_token_id=model.config.pad_token_id,
+    model = LlamaForCausalLM._from_config(config, dtype=dtype)
+    result = model.load_state_dict(state_dict, strict=False)
+    if result.unexpected_keys or set(result.missing_keys) - {"lm_head.weight"}:
+        raise ValueError(f"state dict does not fit the config: {result}")
+    model.config.dtype = dtype
+    model.config.use_cache = True
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
         do_sample=False,
         max_new_tokens=128,
     )
-    copy.save_pretrained(out_dir, safe_serialization=True)
-    if extra_config:
-        path = out_dir / "config.json"
-        config = json.loads(path.read_text())
-        config.update(extra_config)
-        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    model.save_pretrained(out_dir, safe_serialization=True)

@@ -1,0 +1,71 @@
+"""The `stoker` command: serve the whole set, run one service, or use the offline engine."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SERVICES = {
+    "api": "services.api.__main__",
+    "tokenizer": "services.tokenizer.service",
+    "scheduler": "services.scheduler.service",
+    "worker": "services.worker.service",
+}
+USAGE = """usage: stoker COMMAND [options]
+
+commands:
+  serve        start api, tokenizers, scheduler and worker (see `stoker serve --help`)
+  generate     offline generation with the in-process engine
+  train-draft  distil a small draft model from a target model
+  api | tokenizer | scheduler | worker   run one service process on its own
+"""
+
+
+def _generate(argv: list[str]) -> int:
+    from services.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser(prog="stoker generate")
+    parser.add_argument("prompts", nargs="*", default=["ROMEO:"])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    import dataclasses
+
+    from services.engine import LLM, SamplingParams
+
+    config = engine_config_from_args(args)
+    llm = LLM(**dataclasses.asdict(config))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    for out in llm.generate(args.prompts, params):
+        print(f"--- {out.prompt!r} ({out.finish_reason})\n{out.prompt}{out.text}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        from services.launcher import main as serve_main
+
+        return serve_main(rest)
+    if command == "generate":
+        return _generate(rest)
+    if command == "train-draft":
+        from services.training.train_draft import main as train_draft_main
+
+        return train_draft_main(rest)
+    if command in SERVICES:
+        module = importlib.import_module(SERVICES[command])
+        module.main(rest)
+        return 0
+    print(f"stoker: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+from services.scheduler.service import main
+
+main()

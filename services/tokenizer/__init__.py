@@ -1,0 +1,1 @@
+"""The tokenizer service: tokenization, request validation and incremental detokenization."""

@@ -1,0 +1,241 @@
+"""The tokenizer process: prompts -> token ids on the way in, token ids -> text on the way out.
+
+Several run side by side; the api's PUSH socket round-robins TokenizeRequests over them. Each one
+owns the detokenizer state of the requests it admitted, and the scheduler sends their tokens back
+to it by routing id, so no state is shared between tokenizers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import msgspec  # noqa: E402
+import zmq  # noqa: E402
+import zmq.asyncio  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from common.addresses import Addresses  # noqa: E402
+from common.messages import (  # noqa: E402
+    Abort,
+    GenerateRequest,
+    RequestTokens,
+    TextBatch,
+    TextDelta,
+    TokenBatch,
+    TokenizeRequest,
+    TokenizerHeartbeat,
+)
+from common.sampling_params import SamplingParams  # noqa: E402
+from common.validation import check_request  # noqa: E402
+from services.tokenizer.detokenizer import IncrementalDetokenizer  # noqa: E402
+from services.worker.model_config import ModelConfig  # noqa: E402
+
+log = logging.getLogger("stoker.tokenizer")
+HEARTBEAT_S = 0.5
+
+
+@dataclasses.dataclass
+class _Request:
+    detok: IncrementalDetokenizer
+    params: SamplingParams
+    stop_ids: frozenset[int]  # token ids whose generation ends the request with "stop"
+
+
+def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
+    """Same rule as the worker's (without importing torch here): the model's limit, or less."""
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window:
+        limit = min(limit, cfg.sliding_window)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len {requested} exceeds the model's limit {limit}")
+    return requested
+
+
+class TokenizerService:
+    def __init__(
+        self,
+        model: str | Path,
+        tokenizer_id: str,
+        addresses: Addresses,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.id = tokenizer_id
+        self.addresses = addresses
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model))
+        cfg = ModelConfig.from_folder(model)
+        self.vocab_size = cfg.vocab_size
+        self.eos_ids = frozenset(cfg.eos_token_ids)
+        self.max_model_len = resolve_max_model_len(cfg, max_model_len)
+        self.requests: dict[str, _Request] = {}
+        self.num_served = 0
+        self._encoder = msgspec.msgpack.Encoder()
+        self._tokenize_decoder = msgspec.msgpack.Decoder(TokenizeRequest)
+        self._tokens_decoder = msgspec.msgpack.Decoder(TokenBatch)
+
+    # -- sans-IO core (unit-testable without sockets) -------------------------------------------
+
+    def tokenize(self, req: TokenizeRequest) -> list[int]:
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids)
+        if req.messages is not None:
+            out = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in req.messages],
+                add_generation_prompt=req.add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+            )
+            # transformers 5 may still hand back a BatchEncoding / nested list: flatten to ids.
+            if isinstance(out, dict) or hasattr(out, "input_ids"):
+                out = out["input_ids"]
+            if out and isinstance(out[0], list):
+                out = out[0]
+            return [int(t) for t in out]
+        if req.prompt is None:
+            raise ValueError("the request has no prompt")
+        if not req.prompt:
+            raise ValueError("the prompt is empty")
+        return self.tokenizer.encode(req.prompt)
+
+    def admit(self, req: TokenizeRequest) -> GenerateRequest | TextDelta:
+        """A GenerateRequest for the scheduler, or an error delta for the api."""
+        try:
+            ids = self.tokenize(req)
+            check_request(ids, req.params, self.max_model_len, self.vocab_size)
+        except Exception as e:  # any tokenizer/template failure is the request's fault
+            return TextDelta(req.req_id, "", [], error=str(e) or type(e).__name__)
+        eos = frozenset() if req.params.ignore_eos else self.eos_ids
+        self.requests[req.req_id] = _Request(
+            IncrementalDetokenizer(self.tokenizer, ids, req.params),
+            req.params,
+            eos | frozenset(req.params.stop_token_ids),
+        )
+        self.num_served += 1
+        return GenerateRequest(req.req_id, ids, req.params, req.arrival_time)
+
+    def detokenize(self, batch: TokenBatch) -> tuple[list[TextDelta], list[str]]:
+        """Text deltas for the api, and ids whose stop string matched (to abort upstream)."""
+        deltas: list[TextDelta] = []
+        stopped: list[str] = []
+        for item in batch.items:
+            state = self.requests.get(item.req_id)
+            if state is None:
+                continue  # finished here already (stop string): late tokens are dropped
+            try:
+                delta = self._detokenize_one(state, item)
+            except Exception as e:
+                log.exception("detokenizing %s failed", item.req_id)
+                self.requests.pop(item.req_id, None)
+                stopped.append(item.req_id)
+                delta = TextDelta(item.req_id, "", [], finish_reason="abort", error=str(e))
+            else:
+                if delta.finish_reason is not None:
+                    if item.finish_reason is None:  # stop string: the scheduler still runs it
+                        stopped.append(item.req_id)
+                    del self.requests[item.req_id]
+            deltas.append(delta)
+        return deltas, stopped
+
+    def _detokenize_one(self, state: _Request, item: RequestTokens) -> TextDelta:
+        finish = item.finish_reason
+        ids = item.token_ids
+        # Like vLLM, the token that ended generation (eos / stop_token_ids) is not text.
+        if (
+            finish == "stop"
+            and ids
+            and ids[-1] in state.stop_ids
+            and not state.params.include_stop_str_in_output
+        ):
+            ids = ids[:-1]
+        detok = state.detok
+        text = detok.add_tokens(ids).text
+        if detok.stopped:
+            finish = "stop"
+        elif finish is not None:
+            text += detok.finish().text
+        return TextDelta(
+            item.req_id,
+            text,
+            item.token_ids,
+            finish_reason=finish,
+            logprobs=item.logprobs,
+            num_prompt_tokens=item.num_prompt_tokens,
+            num_cached_tokens=item.num_cached_tokens,
+            queue_s=item.queue_s,
+        )
+
+    # -- IO shell -------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        ctx = zmq.asyncio.Context()
+        requests = ctx.socket(zmq.PULL)
+        requests.connect(self.addresses.tokenizer_requests)
+        scheduler = ctx.socket(zmq.DEALER)
+        scheduler.setsockopt(zmq.ROUTING_ID, self.id.encode())
+        scheduler.connect(self.addresses.scheduler)
+        api = ctx.socket(zmq.PUSH)
+        api.connect(self.addresses.api_inbound)
+        tasks = [
+            asyncio.create_task(self._requests_loop(requests, scheduler, api)),
+            asyncio.create_task(self._tokens_loop(scheduler, api)),
+            asyncio.create_task(self._heartbeat_loop(api)),
+        ]
+        waiter = asyncio.create_task(stop.wait())
+        try:
+            done, _ = await asyncio.wait([*tasks, waiter], return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not waiter and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+        finally:
+            for t in [*tasks, waiter]:
+                t.cancel()
+            await asyncio.gather(*tasks, waiter, return_exceptions=True)
+            ctx.destroy(linger=0)
+
+    async def _requests_loop(self, requests: zmq.asyncio.Socket, scheduler, api) -> None:
+        while True:
+            req = self._tokenize_decoder.decode(await requests.recv())
+            out = self.admit(req)
+            if isinstance(out, GenerateRequest):
+                await scheduler.send(self._encoder.encode(out))
+            else:
+                await api.send(self._encoder.encode(TextBatch(self.id, [out])))
+
+    async def _tokens_loop(self, scheduler: zmq.asyncio.Socket, api) -> None:
+        while True:
+            frames = await scheduler.recv_multipart()
+            deltas, stopped = self.detokenize(self._tokens_decoder.decode(frames[-1]))
+            if stopped:
+                await scheduler.send(self._encoder.encode(Abort(stopped, reason="stop")))
+            if deltas:
+                await api.send(self._encoder.encode(TextBatch(self.id, deltas)))
+
+    async def _heartbeat_loop(self, api: zmq.asyncio.Socket) -> None:
+        pid = os.getpid()
+        while True:
+            await api.send(self._encoder.encode(TokenizerHeartbeat(self.id, pid, self.num_served)))
+            await asyncio.sleep(HEARTBEAT_S)
+
+
+def serve(model: str, tokenizer_id: str, max_model_len: int | None = None) -> None:
+    import uvloop
+
+    async def main() -> None:
+        service = TokenizerService(model, tokenizer_id, Addresses.from_env(), max_model_len)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("tokenizer %s ready", tokenizer_id)
+        await service.run(stop)
+
+    uvloop.run(main())
