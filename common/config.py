@@ -18,7 +18,7 @@ class EngineConfig:
     num_kv_blocks: int | None = (
         None  # None: sized from kv_cache_memory_gb (CPU) or free memory (CUDA)
     )
-    kv_cache_memory_gb: float = 2.0  # CPU only
+    kv_cache_memory_gb: float = 1.0  # CPU only
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048

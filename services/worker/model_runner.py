@@ -8,6 +8,7 @@ tests) and inside the worker service.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import numpy as np
@@ -58,14 +59,19 @@ class ModelRunner:
         cfg = self.model_cfg
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(cfg.num_layers)
+            (self._zeros(shape), self._zeros(shape)) for _ in range(cfg.num_layers)
         ]
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """Zeroed KV memory. On CPU it comes from calloc via numpy, so pages are mapped lazily and
+        resident memory grows with the blocks actually used rather than the whole pool. Zeros
+        (not garbage) matter: masked-out slots must not hold NaNs that 0 * NaN would spread."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        nbytes = math.prod(shape) * torch.tensor([], dtype=self.dtype).element_size()
+        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.dtype).view(shape)
 
     def _blocks_that_fit(self) -> int:
         cfg = self.model_cfg

@@ -1,0 +1,56 @@
+"""Shared benchmark helpers: the benchmark model, prompt sets, peak RSS, JSON results."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+BENCH_DIR = Path(os.environ.get("STOKER_BENCH_DIR", REPO / ".bench"))
+RESULTS_DIR = REPO / "benchmarks" / "results"
+
+# The engine-core issue's benchmark model: a random-init 12-layer d768 Llama, float32, seed 0.
+BENCH_LLAMA = dict(
+    vocab_size=32000,
+    hidden_size=768,
+    num_layers=12,
+    num_heads=12,
+    num_kv_heads=4,
+    intermediate_size=2048,
+    max_position_embeddings=2048,
+    initializer_range=0.02,
+)
+
+
+def bench_model(name: str = "llama-d768-l12", **overrides) -> Path:
+    """Build (once) and return the benchmark model folder."""
+    from tests.factory import make_model
+
+    path = BENCH_DIR / name
+    if not (path / "config.json").is_file():
+        make_model(path, "llama", **{**BENCH_LLAMA, **overrides}, seed=0)
+    return path
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Same recipe as the vLLM-CPU peer's offline.py, so both engines see identical prompts."""
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def write_result(name: str, result: dict) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = RESULTS_DIR / f"{name}-{stamp}.json"
+    path.write_text(json.dumps(result, indent=2))
+    return path
