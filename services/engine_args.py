@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 from common.config import DEFAULT_MODEL, EngineConfig
 
@@ -12,7 +13,11 @@ from common.config import DEFAULT_MODEL, EngineConfig
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=str(DEFAULT_MODEL), help="local Hugging Face model folder")
+    g.add_argument(
+        "--model",
+        default=os.environ.get("STOKER_MODEL", str(DEFAULT_MODEL)),
+        help="local Hugging Face model folder (env STOKER_MODEL; default: the bundled model)",
+    )
     g.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--block-size", type=int, default=d.block_size)

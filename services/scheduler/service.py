@@ -14,6 +14,8 @@ import collections
 import contextlib
 import logging
 import os
+import signal
+import sys
 from pathlib import Path
 
 import uvloop
@@ -226,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-overlap", action="store_true", help="one step in flight at a time")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("STOKER_LOG_LEVEL", "INFO"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     service = SchedulerService(
         engine_config_from_args(args), Addresses.from_env(), overlap=not args.no_overlap
     )

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import time
 
 import zmq
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("STOKER_LOG_LEVEL", "INFO"))
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit(0)))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     run_worker(engine_config_from_args(args), Addresses.from_env())
 
 
