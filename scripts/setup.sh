@@ -12,5 +12,7 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[test]"
+  # Build the native CPU kernels now rather than on the first request (cached afterwards).
+  .venv/bin/python -c "from kernels import cpu_ops; cpu_ops.load()"
   echo "$want" > "$stamp"
 fi

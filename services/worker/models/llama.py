@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_ops
 from kernels.paged_attention import (
     causal_attention,
     paged_decode_attention,
@@ -89,7 +90,7 @@ class DecoderLayer(nn.Module):
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
-            out[:nd] = paged_decode_attention(
+            args = (
                 q[:nd],
                 key_cache,
                 value_cache,
@@ -97,6 +98,8 @@ class DecoderLayer(nn.Module):
                 meta.decode_context_lens,
                 self.scale,
             )
+            decoded = cpu_ops.paged_decode_attention(*args)
+            out[:nd] = decoded if decoded is not None else paged_decode_attention(*args)
         for span in meta.prefills:
             rows = slice(span.start, span.end)
             if span.block_table is None:

@@ -1,0 +1,151 @@
+"""Kernel references against naive per-token implementations, and native CPU kernels against
+the references."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import cpu_ops
+from kernels.paged_attention import (
+    causal_attention,
+    paged_decode_attention,
+    paged_prefill_attention,
+    store_kv,
+)
+from kernels.rms_norm import add_rms_norm, rms_norm
+from kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+
+
+def _paged_setup(num_seqs, hq, hk, d, block_size, lens, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // block_size) for n in lens)
+    num_blocks = num_seqs * max_blocks + 3
+    kc = torch.randn(num_blocks, block_size, hk, d, generator=gen)
+    vc = torch.randn(num_blocks, block_size, hk, d, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen)  # scattered, non-contiguous blocks
+    tables = perm[: num_seqs * max_blocks].view(num_seqs, max_blocks)
+    return kc, vc, tables
+
+
+def _naive(q, kc, vc, table, positions, context_len, scale):
+    """Attention for query rows at `positions`, reading keys slot by slot."""
+    block_size, hk = kc.shape[1], kc.shape[2]
+    group = q.shape[1] // hk
+    keys = torch.stack([kc[table[t // block_size], t % block_size] for t in range(context_len)])
+    vals = torch.stack([vc[table[t // block_size], t % block_size] for t in range(context_len)])
+    out = torch.empty_like(q)
+    for i, pos in enumerate(positions):
+        for h in range(q.shape[1]):
+            k, v = keys[: pos + 1, h // group], vals[: pos + 1, h // group]
+            p = torch.softmax((k @ q[i, h]) * scale, dim=0)
+            out[i, h] = p @ v
+    return out
+
+
+@pytest.mark.parametrize("hq, hk", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_decode_reference_matches_naive(hq, hk, block_size):
+    lens = [1, 7, block_size, 3 * block_size + 5]
+    kc, vc, tables = _paged_setup(len(lens), hq, hk, 32, block_size, lens)
+    q = torch.randn(len(lens), hq, 32)
+    got = paged_decode_attention(q, kc, vc, tables, torch.tensor(lens), 0.2)
+    for i, n in enumerate(lens):
+        want = _naive(q[i : i + 1], kc, vc, tables[i], [n - 1], n, 0.2)
+        torch.testing.assert_close(got[i : i + 1], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("prefix, chunk", [(0, 9), (16, 9), (21, 3), (40, 17)])
+def test_prefill_over_cached_prefix_matches_naive(prefix, chunk):
+    context = prefix + chunk
+    kc, vc, tables = _paged_setup(1, 8, 2, 32, 16, [context], seed=1)
+    q = torch.randn(chunk, 8, 32)
+    got = paged_prefill_attention(q, kc, vc, tables[0], context, 0.3)
+    want = _naive(q, kc, vc, tables[0], list(range(prefix, context)), context, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_attention_equals_paged_prefill_from_zero():
+    kc, vc, tables = _paged_setup(1, 4, 2, 16, 8, [20], seed=2)
+    slots = torch.tensor([tables[0, t // 8] * 8 + t % 8 for t in range(20)])
+    k, v, q = torch.randn(20, 2, 16), torch.randn(20, 2, 16), torch.randn(20, 4, 16)
+    store_kv(kc, vc, k, v, slots)
+    torch.testing.assert_close(
+        causal_attention(q, k, v, 0.25),
+        paged_prefill_attention(q, kc, vc, tables[0], 20, 0.25),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_store_kv_writes_exactly_the_slots():
+    kc = torch.zeros(4, 8, 2, 4)
+    vc = torch.zeros(4, 8, 2, 4)
+    slots = torch.tensor([3, 17, 30])
+    k = torch.randn(3, 2, 4)
+    store_kv(kc, vc, k, -k, slots)
+    flat_k, flat_v = kc.view(-1, 2, 4), vc.view(-1, 2, 4)
+    torch.testing.assert_close(flat_k[slots], k)
+    torch.testing.assert_close(flat_v[slots], -k)
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots] = False
+    assert flat_k[untouched].abs().sum() == 0
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
+@pytest.mark.parametrize("hq, hk, d", [(12, 4, 64), (8, 8, 32), (16, 2, 128)])
+def test_native_decode_matches_reference(hq, hk, d):
+    lens = [1, 5, 16, 33, 100]
+    kc, vc, tables = _paged_setup(len(lens), hq, hk, d, 16, lens, seed=3)
+    q = torch.randn(len(lens), hq, d)
+    args = (q, kc, vc, tables, torch.tensor(lens), d**-0.5)
+    torch.testing.assert_close(
+        cpu_ops.paged_decode_attention(*args), paged_decode_attention(*args), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_rms_norm_matches_transformers():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x, res = torch.randn(5, 64), torch.randn(5, 64)
+    ref = LlamaRMSNorm(64, eps=1e-5)
+    ref.weight.data = torch.randn(64)
+    with torch.no_grad():
+        assert torch.equal(rms_norm(x, ref.weight, 1e-5), ref(x))
+        normed, summed = add_rms_norm(x, res, ref.weight, 1e-5)
+        assert torch.equal(summed, x + res) and torch.equal(normed, ref(x + res))
+
+
+def test_llama3_rope_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_scaling=scaling)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    got = rope_inv_freq(64, config.rope_parameters["rope_theta"], scaling)
+    torch.testing.assert_close(got, want.float(), rtol=0, atol=0)
+
+
+def test_rotary_rotates_pairs_by_position():
+    inv_freq = rope_inv_freq(8, 10000.0, None)
+    cos, sin = rope_cos_sin(inv_freq, 16)
+    q = torch.randn(3, 2, 8)
+    k = torch.randn(3, 1, 8)
+    pos = torch.tensor([0, 5, 15])
+    rq, rk = apply_rotary(q, k, cos[pos], sin[pos])
+    torch.testing.assert_close(rq[0], q[0])  # position 0 is the identity
+    angle = 5 * inv_freq[1].item()
+    x, y = q[1, 0, 1].item(), q[1, 0, 5].item()  # pair (i, i + d/2)
+    assert rq[1, 0, 1].item() == pytest.approx(x * math.cos(angle) - y * math.sin(angle), abs=1e-5)
+    assert rq[1, 0, 5].item() == pytest.approx(y * math.cos(angle) + x * math.sin(angle), abs=1e-5)
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))
+    torch.testing.assert_close(rk.norm(dim=-1), k.norm(dim=-1))
