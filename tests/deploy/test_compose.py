@@ -1,0 +1,82 @@
+"""compose.yaml describes a system that runs. No Docker engine runs here, so this test checks the
+file's structure, then starts every service's own `command` and `environment` as local
+processes, with compose hostnames mapped to 127.0.0.1, the image's /models mapped to the repo's
+models/ folder (what the Dockerfile bakes in), and the tokenizer scaled to 2 replicas."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy.procs import free_port, post_json, wait_healthy
+
+REPO = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
+SERVICES = COMPOSE["services"]
+
+
+def test_structure():
+    assert set(SERVICES) == {"api", "tokenizer", "scheduler", "worker"}
+    api = SERVICES["api"]
+    assert "healthcheck" in api and "/health" in " ".join(api["healthcheck"]["test"])
+    assert any(str(p).endswith(":8000") for p in api["ports"])
+    tok = SERVICES["tokenizer"]
+    # Scalable: no fixed name and no published ports on the tokenizer.
+    assert "container_name" not in tok and "ports" not in tok
+    for svc in SERVICES.values():
+        assert svc["build"] == "." and any(v.startswith("models:") for v in svc["volumes"])
+        env = svc["environment"]
+        assert all(
+            env[k].startswith("tcp://")
+            for k in env
+            if k.startswith("STOKER_") and k != "STOKER_MODEL"
+        )
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "torch==2.13.0" in dockerfile and "COPY models /models" in dockerfile
+
+
+def _local(value: str, api_port: int) -> str:
+    for host in SERVICES:
+        value = value.replace(f"tcp://{host}:", "tcp://127.0.0.1:")
+    value = value.replace("/models/", str(REPO / "models") + "/")
+    return value.replace("8000", str(api_port)) if value == "8000" else value
+
+
+@pytest.mark.skipif(
+    not (REPO / "models" / "stoker-tiny" / "config.json").exists(),
+    reason="the bundled model is not built",
+)
+def test_services_run_as_local_processes(tmp_path):
+    api_port = free_port()
+    procs = []
+    order = ["worker", "scheduler", "tokenizer", "tokenizer", "api"]  # tokenizer scaled to 2
+    try:
+        for name in order:
+            svc = SERVICES[name]
+            env = dict(os.environ)
+            env.update({k: _local(str(v), api_port) for k, v in svc["environment"].items()})
+            cmd = [_local(str(a), api_port) for a in svc["command"]]
+            assert cmd[0] == "stoker"
+            cmd = [sys.executable, "-m", "services.cli", *cmd[1:]]
+            procs.append(subprocess.Popen(cmd, env=env, cwd=tmp_path))
+        wait_healthy(f"http://127.0.0.1:{api_port}/health", procs=procs)
+        body = json.dumps({"model": "stoker-tiny", "prompt": "ROMEO:", "max_tokens": 8})
+        out = post_json(f"http://127.0.0.1:{api_port}/v1/completions", body.encode())
+        assert out["choices"][0]["text"] and out["usage"]["completion_tokens"] == 8
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                raise

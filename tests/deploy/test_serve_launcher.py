@@ -1,0 +1,67 @@
+"""`stoker serve` as a user runs it: starts everything, answers, shuts down cleanly on SIGTERM
+with no child left, and exits non-zero naming the child if one dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.procs import alive, children_of, free_port, post_json, wait_healthy
+from tests.factory import make_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("serve") / "model", "llama")
+
+
+def _start(model, tmp_path, port):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model)]
+    cmd += ["--port", str(port), "--tokenizers", "2", "--run-dir", str(run_dir)]
+    cmd += ["--num-kv-blocks", "64"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_healthy(f"http://127.0.0.1:{port}/health", procs=[proc])
+    return proc, run_dir
+
+
+def test_serve_answers_and_sigterm_leaves_nothing_behind(model, tmp_path):
+    port = free_port()
+    proc, run_dir = _start(model, tmp_path, port)
+    try:
+        kids = children_of(proc.pid)
+        assert len(kids) == 5  # worker, scheduler, 2 tokenizers, api
+        body = json.dumps({"model": model.name, "prompt": [5, 6, 7], "max_tokens": 4})
+        out = post_json(f"http://127.0.0.1:{port}/v1/completions", body.encode())
+        assert out["usage"]["completion_tokens"] == 4
+        line = proc.stdout.readline()
+        assert f"serving {model} on http://127.0.0.1:{port}" in line
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    deadline = time.monotonic() + 5
+    while any(alive(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [k for k in kids if alive(k)], "child processes outlived stoker serve"
+    assert not run_dir.exists(), "the run directory (ipc sockets) was left behind"
+
+
+def test_dead_child_is_named_and_serve_exits_nonzero(model, tmp_path):
+    port = free_port()
+    proc, _ = _start(model, tmp_path, port)
+    kids = children_of(proc.pid)
+    worker = next(k for k in kids if b"services.worker" in Path(f"/proc/{k}/cmdline").read_bytes())
+    os.kill(worker, signal.SIGKILL)
+    assert proc.wait(timeout=30) == 1
+    assert "worker exited with code -9" in proc.stderr.read()
+    deadline = time.monotonic() + 5
+    while any(alive(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [k for k in kids if alive(k)]
