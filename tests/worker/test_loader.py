@@ -1,0 +1,90 @@
+"""Loading model folders: sharded weights, dtypes, and clear errors for bad folders."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.engine import LLM, SamplingParams
+from services.worker.model_config import ModelLoadError
+from tests.factory import make_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+PROMPT = [5, 17, 33, 2, 9, 41]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("load") / "model", "qwen2")
+
+
+def _hf_first_logprobs(path, dtype):
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    with torch.inference_mode():
+        logits = hf(torch.tensor([PROMPT])).logits[0, -1].float()
+    return torch.log_softmax(logits, -1)
+
+
+def test_sharded_checkpoint_with_index(folder, tmp_path):
+    sharded = tmp_path / "sharded"
+    hf = AutoModelForCausalLM.from_pretrained(folder)
+    hf.save_pretrained(sharded, max_shard_size="40KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, sharded / name)
+    assert (sharded / "model.safetensors.index.json").exists()
+    want = LLM(folder, num_kv_blocks=16).generate([PROMPT], GREEDY)[0].token_ids
+    assert LLM(sharded, num_kv_blocks=16).generate([PROMPT], GREEDY)[0].token_ids == want
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_matches_transformers_at_a_tolerance(folder, dtype):
+    torch_dtype = getattr(torch, dtype)
+    out = LLM(folder, dtype=dtype, num_kv_blocks=16).generate([PROMPT], GREEDY)[0]
+    assert len(out.token_ids) == 8
+    ref = _hf_first_logprobs(folder, torch_dtype)
+    first = out.logprobs[0]
+    got = torch.tensor(first.top_logprobs)
+    torch.testing.assert_close(got, ref[first.top_ids], rtol=0, atol=0.1)
+
+
+def test_bf16_checkpoint_served_in_float32_on_cpu(tmp_path):
+    path = make_model(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
+    llm = LLM(path, num_kv_blocks=16)  # dtype auto: float32 on CPU
+    assert llm.engine.runner.dtype == torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = hf.generate(
+            torch.tensor([PROMPT]),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(PROMPT) :]
+    assert llm.generate([PROMPT], GREEDY)[0].token_ids == ref.tolist()
+
+
+def test_missing_files_are_named(folder, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    for f in broken.glob("*.safetensors"):
+        f.unlink()
+    (broken / "tokenizer.json").unlink()
+    (broken / "tokenizer_config.json").unlink()
+    with pytest.raises(ModelLoadError, match=r"missing \*\.safetensors weights, tokenizer\.json"):
+        LLM(broken)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(tmp_path / "nowhere")
+
+
+def test_unsupported_architecture_is_named(folder, tmp_path):
+    other = tmp_path / "gpt2ish"
+    shutil.copytree(folder, other)
+    config = json.loads((other / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="unsupported architecture.*GPT2LMHeadModel"):
+        LLM(other)
