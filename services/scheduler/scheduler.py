@@ -46,7 +46,10 @@ class RequestUpdate:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
-        self.config = config
+        # A lone request must always fit in the pool, or preempting everyone else could never
+        # make room for it: cap the context length at the pool's capacity.
+        capacity = block_manager.num_blocks * block_manager.block_size
+        self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len, capacity))
         self.blocks = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -54,6 +57,8 @@ class Scheduler:
         self._finished_ids: list[str] = []  # for the next plan: worker drops their state
         self._step_id = 0
         self.num_preemptions = 0
+        self.prefix_queries = 0  # tokens looked up in the prefix cache at admission
+        self.prefix_hits = 0  # of those, tokens found
         self._watermark_blocks = int(config.watermark * block_manager.num_blocks)
 
     # -- admission and abort ----------------------------------------------------------------
@@ -127,8 +132,6 @@ class Scheduler:
             prefix = request.token_ids[:-1]  # always compute at least the last token
             hit = self.blocks.allocate_prefix(request.req_id, prefix)
             request.num_computed_tokens = hit
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = hit
             num_tokens = min(request.num_tokens - hit, budget)
             new_blocks = None
             if self._fits_above_watermark(request, hit + num_tokens):
@@ -139,6 +142,12 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            # Counted on admission only: a failed attempt is retried next step and must not
+            # count twice.
+            self.prefix_queries += len(prefix)
+            self.prefix_hits += hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = hit
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
@@ -221,6 +230,9 @@ class Scheduler:
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
         """Apply a step's sampled tokens; return per-request updates (new tokens, finishes)."""
+        # Cache first: a request that finishes below frees its blocks, and the blocks it filled
+        # in its last step must already be in the prefix cache by then.
+        self._cache_computed_blocks(plan)
         updates: list[RequestUpdate] = []
         logprobs = result.logprobs
         max_len = self.config.max_model_len
@@ -239,7 +251,6 @@ class Scheduler:
                 self._finish(request, reason)
                 update.finish_reason = reason
             updates.append(update)
-        self._cache_computed_blocks(plan)
         return updates
 
     def _cache_computed_blocks(self, plan: StepPlan) -> None:

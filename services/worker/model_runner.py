@@ -8,6 +8,7 @@ tests) and inside the worker service.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 
@@ -21,6 +22,8 @@ from services.worker.attention_metadata import AttentionMetadata, PrefillSpan
 from services.worker.loader import check_model_folder, load_model, resolve_dtype
 from services.worker.model_config import ModelConfig
 from services.worker.sampler import Sampler, SamplingBatch
+
+log = logging.getLogger("stoker.worker")
 
 
 @dataclasses.dataclass
@@ -56,11 +59,18 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         self.model = load_model(folder, self.dtype, config.device, self.max_model_len)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+        capacity = self.num_blocks * self.block_size
+        if capacity < self.max_model_len:
+            # A lone request must always fit in the pool, or preemption could never make room.
+            log.warning(
+                "KV cache holds %d tokens; capping max_model_len %d to it",
+                capacity,
+                self.max_model_len,
+            )
+            self.max_model_len = capacity
         cfg = self.model_cfg
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [
-            (self._zeros(shape), self._zeros(shape)) for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(cfg.num_layers)]
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
 

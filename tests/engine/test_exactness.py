@@ -95,5 +95,5 @@ def test_preemption(arch_case):
 def test_prefix_cache_hits(arch_case):
     path, _, shared, _, ref = arch_case
     llm, got = _run(path, shared, num_kv_blocks=256, max_num_seqs=4)
-    assert llm.engine.block_manager.prefix_hits > 0, "shared prefixes should hit the cache"
+    assert llm.engine.scheduler.prefix_hits > 0, "shared prefixes should hit the cache"
     assert got == ref
