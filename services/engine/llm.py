@@ -59,7 +59,7 @@ class RequestOutput:
 class _Pending:
     output: CompletionOutput
     detok: IncrementalDetokenizer
-    parent: RequestOutput
+    params: SamplingParams
 
 
 class LLM:
@@ -120,9 +120,8 @@ class LLM:
                     index, "", [], None, [] if params.logprobs is not None else None
                 )
                 parent.outputs.append(out)
-                pending[req_id] = _Pending(
-                    out, IncrementalDetokenizer(self.tokenizer, ids, child), parent
-                )
+                detok = IncrementalDetokenizer(self.tokenizer, ids, child)
+                pending[req_id] = _Pending(out, detok, child)
                 self.engine.add_request(req_id, ids, child)
 
         show = use_tqdm if use_tqdm is not None else len(pending) >= 16
@@ -136,7 +135,10 @@ class LLM:
                     if update.logprobs is not None and out.logprobs is not None:
                         out.logprobs.extend(lp for lp in update.logprobs if lp is not None)
                     finish = update.finish_reason.value if update.finish_reason else None
-                    item.detok.add_tokens(update.new_token_ids)
+                    new_ids = update.new_token_ids
+                    if finish == "stop" and not item.params.include_stop_str_in_output:
+                        new_ids = new_ids[:-1]  # like vLLM: the EOS / stop token's text is left out
+                    item.detok.add_tokens(new_ids)
                     if finish is None and item.detok.stopped:
                         self.engine.abort(update.req_id)
                         finish = "stop"

@@ -7,22 +7,26 @@ to it by routing id, so no state is shared between tokenizers.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import logging
 import os
 import signal
+import socket
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import msgspec  # noqa: E402
+import uvloop  # noqa: E402
 import zmq  # noqa: E402
 import zmq.asyncio  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from common.addresses import Addresses  # noqa: E402
+from common.ipc import encoder, tokenize_request_decoder, tokenizer_inbound_decoder  # noqa: E402
 from common.messages import (  # noqa: E402
     Abort,
     GenerateRequest,
@@ -78,9 +82,6 @@ class TokenizerService:
         self.max_model_len = resolve_max_model_len(cfg, max_model_len)
         self.requests: dict[str, _Request] = {}
         self.num_served = 0
-        self._encoder = msgspec.msgpack.Encoder()
-        self._tokenize_decoder = msgspec.msgpack.Decoder(TokenizeRequest)
-        self._tokens_decoder = msgspec.msgpack.Decoder(TokenBatch)
 
     # -- sans-IO core (unit-testable without sockets) -------------------------------------------
 
@@ -171,6 +172,7 @@ class TokenizerService:
             num_prompt_tokens=item.num_prompt_tokens,
             num_cached_tokens=item.num_cached_tokens,
             queue_s=item.queue_s,
+            error=item.error,  # the scheduler rejected it: the api answers 400
         )
 
     # -- IO shell -------------------------------------------------------------------------------
@@ -203,31 +205,39 @@ class TokenizerService:
 
     async def _requests_loop(self, requests: zmq.asyncio.Socket, scheduler, api) -> None:
         while True:
-            req = self._tokenize_decoder.decode(await requests.recv())
+            try:
+                req = tokenize_request_decoder.decode(await requests.recv())
+            except msgspec.DecodeError:
+                log.exception("dropping a malformed TokenizeRequest")
+                continue
             out = self.admit(req)
             if isinstance(out, GenerateRequest):
-                await scheduler.send(self._encoder.encode(out))
+                await scheduler.send(encoder.encode(out))
             else:
-                await api.send(self._encoder.encode(TextBatch(self.id, [out])))
+                await api.send(encoder.encode(TextBatch(self.id, [out])))
 
     async def _tokens_loop(self, scheduler: zmq.asyncio.Socket, api) -> None:
         while True:
             frames = await scheduler.recv_multipart()
-            deltas, stopped = self.detokenize(self._tokens_decoder.decode(frames[-1]))
+            try:
+                batch = tokenizer_inbound_decoder.decode(frames[-1])
+            except msgspec.DecodeError:
+                log.exception("dropping a malformed TokenBatch")
+                continue
+            deltas, stopped = self.detokenize(batch)
             if stopped:
-                await scheduler.send(self._encoder.encode(Abort(stopped, reason="stop")))
+                await scheduler.send(encoder.encode(Abort(stopped, reason="stop")))
             if deltas:
-                await api.send(self._encoder.encode(TextBatch(self.id, deltas)))
+                await api.send(encoder.encode(TextBatch(self.id, deltas)))
 
     async def _heartbeat_loop(self, api: zmq.asyncio.Socket) -> None:
         pid = os.getpid()
         while True:
-            await api.send(self._encoder.encode(TokenizerHeartbeat(self.id, pid, self.num_served)))
+            await api.send(encoder.encode(TokenizerHeartbeat(self.id, pid, self.num_served)))
             await asyncio.sleep(HEARTBEAT_S)
 
 
 def serve(model: str, tokenizer_id: str, max_model_len: int | None = None) -> None:
-    import uvloop
 
     async def main() -> None:
         service = TokenizerService(model, tokenizer_id, Addresses.from_env(), max_model_len)
@@ -239,3 +249,16 @@ def serve(model: str, tokenizer_id: str, max_model_len: int | None = None) -> No
         await service.run(stop)
 
     uvloop.run(main())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="stoker tokenizer")
+    parser.add_argument("--model", required=True, help="model folder (config.json + tokenizer)")
+    parser.add_argument("--id", default=None, help="routing id (default: tok-<host>-<pid>)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    args = parser.parse_args(argv)
+    level = os.environ.get("STOKER_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
+    # Host and pid: compose replicas each run as pid 1 in their own container.
+    default_id = f"tok-{socket.gethostname()}-{os.getpid()}"
+    serve(args.model, args.id or default_id, args.max_model_len)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP api: Starlette + uvicorn, talking to tokenizers over ZeroMQ."""

@@ -1,0 +1,293 @@
+"""The OpenAI-compatible HTTP front end (Starlette).
+
+A handler decodes and checks the body, fans the call out into n sub-requests, and reads their
+deltas from one queue fed by the EngineClient. Streaming responses wait for the first delta
+before sending headers, so a tokenizer-side rejection (prompt too long) is still a 400. A client
+that goes away aborts its sub-requests at once, so the scheduler frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from common.messages import TextDelta
+from services.api import protocol
+from services.api.engine_client import EngineClient
+from services.api.protocol import ApiError
+from services.api.responses import Accumulator, Formatter
+from services.api.tokens import TokenStrings
+
+log = logging.getLogger("stoker.api")
+
+
+@dataclasses.dataclass
+class ApiConfig:
+    model_path: str
+    served_model_name: str
+    max_request_bytes: int = 32 * 1024 * 1024
+
+
+class _Json(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return msgspec.json.encode(content)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class SSEResponse(StreamingResponse):
+    """Streams events until done or the client disconnects; then always calls on_close (which
+    aborts whatever is still running), however the stream ended. Watching for the disconnect
+    ourselves (not relying on a failed send) makes the abort prompt even while no token flows."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self._events, self._on_close = events, on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.ensure_future(self._pump(send))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._on_close()
+            for t in (pump, watcher):
+                t.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.gather(pump, watcher, return_exceptions=True)
+            with contextlib.suppress(BaseException):
+                await self._events.aclose()  # type: ignore[attr-defined]
+        error = pump.exception() if pump.done() and not pump.cancelled() else None
+        if error is not None and not isinstance(error, OSError):  # OSError: the client left
+            log.error("stream failed", exc_info=error)
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        async for event in self._events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+_DISCONNECTED = object()
+
+
+async def _race_disconnect(coro: Any, request: Request) -> Any:
+    """The coroutine's result, or _DISCONNECTED if the client goes away first."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            t.cancel()
+    return task.result() if task.done() and not task.cancelled() else _DISCONNECTED
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    too_big = ApiError(f"the request body exceeds {limit} bytes", status=413)
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class Api:
+    def __init__(self, client: EngineClient, config: ApiConfig, strings: TokenStrings) -> None:
+        self.client, self.config, self.strings = client, config, strings
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: Request, kind: Literal["completion", "chat"]) -> Response:
+        try:
+            body = await _read_body(request, self.config.max_request_bytes)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        if kind == "completion":
+            gen = protocol.completion_generation(protocol.decode(body, protocol.CompletionRequest))
+        else:
+            gen = protocol.chat_generation(protocol.decode(body, protocol.ChatRequest))
+        name = self.config.served_model_name
+        if gen.model is not None and gen.model != name:
+            raise ApiError(
+                f"The model `{gen.model}` does not exist.",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        req_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        subs = gen.sub_requests(req_id, time.time())
+        ids = [s.req_id for s in subs]
+        acc = Accumulator(req_id, gen.n)
+        fmt = Formatter(kind, req_id, name, self.strings, gen.params.logprobs is not None)
+        queue = await self.client.submit(subs)
+        streaming = False
+        try:
+            first = await _race_disconnect(queue.get(), request)
+            if first is _DISCONNECTED:
+                return Response(status_code=499)
+            if first.error is not None:
+                raise ApiError(first.error, param=_error_param(first.error, kind))
+            if gen.stream:
+                streaming = True  # from here the SSE response owns the release
+                events = self._events(first, queue, acc, fmt, gen)
+                return SSEResponse(events, on_close=lambda: self.client.release(ids))
+            done = await _race_disconnect(self._collect(first, queue, acc), request)
+            if done is _DISCONNECTED:
+                return Response(status_code=499)
+            if acc.error is not None or acc.aborted:
+                raise ApiError(
+                    acc.error or "the request was aborted by the server",
+                    status=500,
+                    type="internal_server_error",
+                )
+            return _Json(fmt.response(acc))
+        finally:
+            if not streaming:
+                self.client.release(ids)
+
+    @staticmethod
+    async def _collect(first: TextDelta, queue: asyncio.Queue, acc: Accumulator) -> bool:
+        acc.add(first)
+        while not acc.done:
+            acc.add(await queue.get())
+        return True
+
+    @staticmethod
+    async def _events(
+        first: TextDelta,
+        queue: asyncio.Queue[TextDelta],
+        acc: Accumulator,
+        fmt: Formatter,
+        gen: protocol.Generation,
+    ) -> AsyncIterator[bytes]:
+        if fmt.kind == "chat":
+            for i in range(gen.n):
+                yield _sse(fmt.role_chunk(i))
+        pending = [first]
+        while True:
+            # A client that fell behind gets everything queued since as one event per choice.
+            groups: dict[int, list[TextDelta]] = {}
+            for d in pending:
+                groups.setdefault(acc.add(d).index, []).append(d)
+            for index, deltas in groups.items():
+                chunk = fmt.chunk(acc.choices[index], deltas)
+                if chunk is not None:
+                    yield _sse(chunk)
+            if acc.done:
+                break
+            pending = [await queue.get()]
+            while not queue.empty():
+                pending.append(queue.get_nowait())
+        if acc.error is not None or acc.aborted:
+            error = ApiError(acc.error or "the request was aborted by the server", status=500)
+            yield _sse({"error": {**error.body()["error"], "type": "internal_server_error"}})
+        if gen.include_usage:
+            yield _sse(fmt.usage_chunk(acc))
+        yield b"data: [DONE]\n\n"
+
+    async def models(self, request: Request) -> Response:
+        stats = self.client.stats
+        card = {
+            "id": self.config.served_model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "stoker",
+            "root": self.config.model_path,
+            "max_model_len": stats.max_model_len if stats else None,
+        }
+        return _Json({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        ok, reason = self.client.health()
+        return Response(status_code=200) if ok else _Json({"status": reason}, status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.client.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def debug_state(self, request: Request) -> Response:
+        return _Json(self.client.state())
+
+
+def _error_param(message: str, kind: str) -> str:
+    """Best guess at which parameter a tokenizer/scheduler rejection is about."""
+    if "max_tokens" in message:
+        return "max_tokens"
+    return "messages" if kind == "chat" else "prompt"
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return _Json(exc.body(), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    err = ApiError(message, status=exc.status_code, type=kind)
+    return _Json(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error", exc_info=exc)
+    err = ApiError(f"internal error: {exc}", status=500, type="internal_server_error")
+    return _Json(err.body(), status_code=500)
+
+
+def build_app(client: EngineClient, config: ApiConfig, strings: TokenStrings) -> Starlette:
+    api = Api(client, config, strings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await client.start()
+        try:
+            yield
+        finally:
+            await client.close()
+
+    routes = [
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/debug/state", api.debug_state, methods=["GET"]),
+    ]
+    handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _server_error}
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)

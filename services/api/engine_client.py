@@ -1,0 +1,215 @@
+"""The api's side of the sockets: send requests to tokenizers, route their deltas to HTTP handlers.
+
+One background task reads `api_inbound` (text from tokenizers, heartbeats) and puts each delta on
+the queue of the handler that owns the request; another reads SchedulerStats from the DEALER
+socket that also carries aborts to the scheduler. Per-request latency metrics are observed here,
+where every delta passes, so they do not depend on how (or whether) a client reads its stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from common.addresses import API_ROUTING_ID, Addresses, bind_address
+from common.ipc import api_from_scheduler_decoder, api_inbound_decoder, encoder
+from common.messages import (
+    Abort,
+    SchedulerStats,
+    TextBatch,
+    TextDelta,
+    TokenizeRequest,
+    TokenizerHeartbeat,
+)
+from services.api.metrics import EngineSnapshot, Metrics
+
+log = logging.getLogger("stoker.api")
+STALE_S = 2.0  # a tokenizer or scheduler silent for longer is unhealthy
+TOMBSTONE_S = 60.0
+
+
+@dataclasses.dataclass
+class _Track:
+    """One sub-request in flight: where its deltas go, and timings for metrics."""
+
+    queue: asyncio.Queue[TextDelta]
+    arrival: float
+    first: float | None = None
+    last: float = 0.0
+
+
+@dataclasses.dataclass
+class _Tokenizer:
+    pid: int
+    requests_served: int
+    last_seen: float
+
+
+class EngineClient:
+    def __init__(self, addresses: Addresses, num_tokenizers: int) -> None:
+        self.addresses = addresses
+        self.num_tokenizers = num_tokenizers
+        self.metrics = Metrics(self.snapshot)
+        self.stats: SchedulerStats | None = None
+        self.stats_time = 0.0
+        self.tokenizers: dict[str, _Tokenizer] = {}
+        self._tracks: dict[str, _Track] = {}
+        # Aborted ids whose request may still reach the scheduler after the abort did (the
+        # tokenizer had not forwarded it yet): any later delta for them re-sends the abort.
+        self._aborted: dict[str, float] = {}
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._inbound = self._ctx.socket(zmq.PULL)
+        self._inbound.bind(bind_address(self.addresses.api_inbound))
+        self._requests = self._ctx.socket(zmq.PUSH)
+        self._requests.bind(bind_address(self.addresses.tokenizer_requests))
+        self._scheduler = self._ctx.socket(zmq.DEALER)
+        self._scheduler.setsockopt(zmq.ROUTING_ID, API_ROUTING_ID)
+        self._scheduler.connect(self.addresses.scheduler)
+        self._tasks = [
+            asyncio.create_task(self._inbound_loop()),
+            asyncio.create_task(self._stats_loop()),
+        ]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._ctx.destroy(linger=0)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    async def submit(self, requests: list[TokenizeRequest]) -> asyncio.Queue[TextDelta]:
+        """Send sub-requests to the tokenizers; all their deltas arrive on the returned queue."""
+        queue: asyncio.Queue[TextDelta] = asyncio.Queue()
+        now = time.monotonic()
+        for r in requests:
+            self._tracks[r.req_id] = _Track(queue, now)
+        for r in requests:
+            await self._requests.send(encoder.encode(r))
+        return queue
+
+    def release(self, req_ids: list[str]) -> None:
+        """The handler is done with these ids: abort the ones still running. Never blocks, so
+        it is safe in `finally` of a cancelled handler."""
+        live = [i for i in req_ids if self._tracks.pop(i, None) is not None]
+        if live:
+            now = time.monotonic()
+            self._aborted.update(dict.fromkeys(live, now))
+            self._send_abort(live)
+
+    def _send_abort(self, req_ids: list[str]) -> None:
+        # With NOBLOCK the async socket sends now or queues behind earlier sends; a failure
+        # lands on the future (logged), and a later delta for the id retries the abort.
+        fut = self._scheduler.send(encoder.encode(Abort(req_ids)), zmq.NOBLOCK)
+        fut.add_done_callback(_log_send_error)
+
+    # -- background loops -----------------------------------------------------------------------
+
+    async def _inbound_loop(self) -> None:
+        while True:
+            msg = api_inbound_decoder.decode(await self._inbound.recv())
+            try:
+                if isinstance(msg, TextBatch):
+                    self._dispatch(msg)
+                elif isinstance(msg, TokenizerHeartbeat):
+                    self.tokenizers[msg.tokenizer_id] = _Tokenizer(
+                        msg.pid, msg.requests_served, time.monotonic()
+                    )
+                elif isinstance(msg, SchedulerStats):
+                    self._on_stats(msg)
+            except Exception:  # one bad message must not stop all responses
+                log.exception("failed to handle %s", type(msg).__name__)
+
+    async def _stats_loop(self) -> None:
+        while True:
+            frames = await self._scheduler.recv_multipart()
+            self._on_stats(api_from_scheduler_decoder.decode(frames[-1]))
+
+    def _on_stats(self, stats: SchedulerStats) -> None:
+        self.stats, self.stats_time = stats, time.monotonic()
+        if self._aborted:
+            cutoff = self.stats_time - TOMBSTONE_S
+            self._aborted = {k: t for k, t in self._aborted.items() if t > cutoff}
+
+    def _dispatch(self, batch: TextBatch) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        late_aborts = []
+        for d in batch.items:
+            track = self._tracks.get(d.req_id)
+            if track is None:
+                if d.req_id in self._aborted:
+                    if d.finish_reason is None and d.error is None:
+                        late_aborts.append(d.req_id)
+                    else:
+                        del self._aborted[d.req_id]
+                continue
+            track.queue.put_nowait(d)
+            if d.error is not None:
+                del self._tracks[d.req_id]
+                continue
+            if d.token_ids:
+                if track.first is None:
+                    track.first = now
+                    m.ttft.observe(now - track.arrival)
+                    m.queue_time.observe(d.queue_s)
+                    m.prompt_tokens.inc(d.num_prompt_tokens)
+                else:
+                    gap = (now - track.last) / len(d.token_ids)
+                    for _ in d.token_ids:
+                        m.itl.observe(gap)
+                track.last = now
+                m.generation_tokens.inc(len(d.token_ids))
+            if d.finish_reason is not None:
+                m.e2e.observe(now - track.arrival)
+                m.request_success.labels(d.finish_reason).inc()
+                del self._tracks[d.req_id]
+        if late_aborts:
+            self._send_abort(late_aborts)
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def health(self) -> tuple[bool, str]:
+        now = time.monotonic()
+        alive = [t for t, s in self.tokenizers.items() if now - s.last_seen < STALE_S]
+        if len(alive) < len(self.tokenizers):
+            stale = sorted(set(self.tokenizers) - set(alive))
+            return False, f"tokenizers not heartbeating: {', '.join(stale)}"
+        if len(alive) < self.num_tokenizers:
+            return False, f"{len(alive)} of {self.num_tokenizers} tokenizers up"
+        if self.stats is None or now - self.stats_time > STALE_S:
+            return False, "no recent scheduler stats"
+        if not self.stats.worker_ready:
+            return False, "worker not ready"
+        return True, "ok"
+
+    def snapshot(self) -> EngineSnapshot:
+        return EngineSnapshot(
+            self.stats, {k: t.requests_served for k, t in self.tokenizers.items()}
+        )
+
+    def state(self) -> dict:
+        now = time.monotonic()
+        return {
+            "scheduler": msgspec.structs.asdict(self.stats) if self.stats else None,
+            "scheduler_age_s": now - self.stats_time if self.stats else None,
+            "tokenizers": {
+                k: {"pid": t.pid, "requests": t.requests_served, "age_s": now - t.last_seen}
+                for k, t in self.tokenizers.items()
+            },
+            "api_inflight": len(self._tracks),
+        }
+
+
+def _log_send_error(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("could not send an abort to the scheduler: %s", fut.exception())

@@ -1,0 +1,109 @@
+"""Prometheus metrics for the api, in the process's own registry.
+
+Latencies and token counts are observed here, per request. Engine state (queue sizes, KV blocks,
+prefix-cache totals) and per-tokenizer counts come from the latest SchedulerStats / heartbeats,
+which already carry cumulative totals, so a custom collector reports them at scrape time instead
+of mirroring them into counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from common.messages import SchedulerStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
+_LATENCY_BUCKETS += (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass
+class EngineSnapshot:
+    stats: SchedulerStats | None
+    tokenizer_requests: dict[str, int]  # tokenizer id -> requests it admitted (cumulative)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        snap = self._snapshot()
+        s = snap.stats
+        gauges = {
+            "num_requests_running": ("Requests in the running batch.", s and s.num_running),
+            "num_requests_waiting": ("Requests waiting to be scheduled.", s and s.num_waiting),
+            "kv_cache_usage_perc": ("Fraction of KV-cache blocks in use (0-1).", s and s.kv_usage),
+            "kv_cache_free_blocks": ("Free KV-cache blocks.", s and s.num_free_blocks),
+            "kv_cache_total_blocks": ("KV-cache blocks in total.", s and s.num_total_blocks),
+            "num_preemptions": ("Preemptions since start.", s and s.num_preemptions),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"stoker:{name}", doc, value=float(value or 0))
+        yield CounterMetricFamily(
+            "stoker:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            value=float(s.prefix_queries if s else 0),
+        )
+        yield CounterMetricFamily(
+            "stoker:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache.",
+            value=float(s.prefix_hits if s else 0),
+        )
+        per_tokenizer = CounterMetricFamily(
+            "stoker:tokenizer_requests",
+            "Requests admitted by each tokenizer process.",
+            labels=["tokenizer"],
+        )
+        for tok_id, n in sorted(snap.tokenizer_requests.items()):
+            per_tokenizer.add_metric([tok_id], float(n))
+        yield per_tokenizer
+
+
+class Metrics:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram(
+            "stoker:time_to_first_token_seconds",
+            "Time from arrival at the api to the first output token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "stoker:inter_token_latency_seconds",
+            "Time between output tokens of one request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "stoker:e2e_request_latency_seconds",
+            "Time from arrival at the api to the last output token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "stoker:request_queue_time_seconds",
+            "Time a request waited in the scheduler before its first step.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "stoker:prompt_tokens", "Prompt tokens of finished prefills.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "stoker:generation_tokens", "Generated tokens.", registry=r
+        )
+        self.request_success = Counter(
+            "stoker:request_success",
+            "Finished requests, by finish reason.",
+            ["finished_reason"],
+            registry=r,
+        )
+        r.register(_EngineCollector(snapshot))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,264 @@
+"""OpenAI request bodies, decoded and type-checked by msgspec, and turned into internal requests.
+
+Unknown parameters are rejected (forbid_unknown_fields) so a typo is a 400 naming the parameter
+instead of a silently ignored setting. Fields beyond OpenAI's (top_k, min_p, ...) follow vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Literal
+
+import msgspec
+
+from common.messages import ChatMessage, TokenizeRequest
+from common.sampling_params import SamplingParams
+
+
+class ApiError(Exception):
+    """An error the client caused (or a server error), rendered as OpenAI's error body."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = (
+            message,
+            status,
+            param,
+            code,
+            type,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: Any  # str | list[int] | [str] | [list[int]]: msgspec unions allow one array type
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct):  # lenient: clients add name, tool_call_id, ...
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessageIn]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+
+@dataclasses.dataclass
+class Generation:
+    """One API call, as the server runs it: n sub-requests sharing a prompt."""
+
+    kind: Literal["completion", "chat"]
+    model: str | None
+    params: SamplingParams
+    n: int
+    stream: bool
+    include_usage: bool
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    def sub_requests(self, req_id: str, arrival_time: float) -> list[TokenizeRequest]:
+        out = []
+        for i in range(self.n):
+            params = self.params
+            if self.params.seed is not None and self.n > 1:
+                params = msgspec.structs.replace(params, seed=self.params.seed + i)
+            out.append(
+                TokenizeRequest(
+                    f"{req_id}-{i}",
+                    params,
+                    prompt=self.prompt,
+                    prompt_token_ids=self.prompt_token_ids,
+                    messages=self.messages,
+                    add_generation_prompt=self.add_generation_prompt,
+                    arrival_time=arrival_time,
+                )
+            )
+        return out
+
+
+_PATH_RE = re.compile(r"at `\$\.(\w+)")  # "... - at `$.messages[0]`": the top-level param
+_FIELD_RE = re.compile(r"field `(\w+)`")  # "Object contains unknown field `foo`"
+
+
+def decode(body: bytes, cls: type[_Common]) -> Any:
+    if not body.strip():
+        raise ApiError("the request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=cls)
+    except msgspec.ValidationError as e:
+        message = str(e)
+        path, field = _PATH_RE.search(message), _FIELD_RE.search(message)
+        param = path.group(1) if path else field.group(1) if field else None
+        if "unknown field" in message and field and not path:
+            message = f"Unrecognized request argument supplied: {field.group(1)}"
+        raise ApiError(message, param=param) from None
+    except msgspec.DecodeError as e:
+        raise ApiError(f"We could not parse the JSON body of your request: {e}") from None
+
+
+def _sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    if req.stream_options is not None and not req.stream:
+        raise ApiError("stream_options is only allowed when stream is true", param="stream_options")
+    if req.n < 1:
+        raise ApiError(f"n must be at least 1, got {req.n}", param="n")
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    given = {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+    }
+    params = SamplingParams(
+        n=1,  # the api fans out n sub-requests itself
+        max_tokens=max_tokens,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        **{k: v for k, v in given.items() if v is not None},
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        first = str(e).split(" ", 1)[0]
+        raise ApiError(str(e), param=first if hasattr(req, first) else None) from None
+    return params
+
+
+def completion_generation(req: CompletionRequest) -> Generation:
+    if req.echo:
+        raise ApiError("echo is not supported", param="echo")
+    prompt, ids = _completion_prompt(req.prompt)
+    return Generation(
+        kind="completion",
+        model=req.model,
+        params=_sampling_params(req, req.max_tokens, req.logprobs),
+        n=req.n,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        prompt=prompt,
+        prompt_token_ids=ids,
+    )
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _completion_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, list) and len(prompt) == 1 and not _is_ids(prompt):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError("the prompt is empty", param="prompt")
+        return prompt, None
+    if _is_ids(prompt):
+        if not prompt:
+            raise ApiError("the prompt is empty", param="prompt")
+        return None, prompt
+    if (
+        isinstance(prompt, list)
+        and len(prompt) > 1
+        and all(isinstance(p, str) or _is_ids(p) for p in prompt)
+    ):
+        raise ApiError("only one prompt per request is supported", param="prompt")
+    raise ApiError(
+        "prompt must be a string, a list of token ids, or a list holding one of those",
+        param="prompt",
+    )
+
+
+def chat_generation(req: ChatRequest) -> Generation:
+    if not req.messages:
+        raise ApiError("messages must not be empty", param="messages")
+    messages = []
+    for m in req.messages:
+        if isinstance(m.content, list):
+            if any(p.type != "text" or p.text is None for p in m.content):
+                raise ApiError("only text content parts are supported", param="messages")
+            content = "".join(p.text or "" for p in m.content)
+        else:
+            content = m.content or ""
+        messages.append(ChatMessage(m.role, content))
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    # max_completion_tokens supersedes max_tokens; neither: up to the context length.
+    max_tokens = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
+    return Generation(
+        kind="chat",
+        model=req.model,
+        params=_sampling_params(req, max_tokens, logprobs),
+        n=req.n,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        messages=messages,
+        add_generation_prompt=req.add_generation_prompt,
+    )

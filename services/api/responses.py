@@ -1,0 +1,183 @@
+"""OpenAI response bodies (completions and chat, whole and streamed) from tokenizer deltas."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Literal
+
+from common.messages import TextDelta, TokenLogprobs
+from services.api.tokens import TokenStrings
+
+
+@dataclasses.dataclass
+class Choice:
+    index: int
+    text: str = ""
+    num_tokens: int = 0
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    text_offset: int = 0  # completions logprobs: offset of the next token in the output text
+
+
+class Accumulator:
+    """Collects the deltas of one API call's n sub-requests (`{req_id}-{i}`)."""
+
+    def __init__(self, req_id: str, n: int) -> None:
+        self.choices = [Choice(i) for i in range(n)]
+        self._index = {f"{req_id}-{i}": i for i in range(n)}
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.error: str | None = None
+
+    def add(self, d: TextDelta) -> Choice:
+        c = self.choices[self._index[d.req_id]]
+        if d.error is not None and self.error is None:
+            self.error = d.error
+        if d.num_prompt_tokens:
+            self.prompt_tokens = d.num_prompt_tokens
+            self.cached_tokens = d.num_cached_tokens
+        c.text += d.text
+        c.num_tokens += len(d.token_ids)
+        c.token_ids += d.token_ids
+        if d.logprobs:
+            c.logprobs += d.logprobs
+        if d.finish_reason is not None or d.error is not None:
+            c.finish_reason = d.finish_reason or "abort"
+        return c
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    @property
+    def aborted(self) -> bool:
+        return any(c.finish_reason == "abort" for c in self.choices)
+
+    def usage(self) -> dict[str, Any]:
+        completion = sum(c.num_tokens for c in self.choices)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def _lp(x: float) -> float:
+    return max(x, -9999.0) if not math.isnan(x) else -9999.0  # JSON has no -inf
+
+
+class Formatter:
+    def __init__(
+        self,
+        kind: Literal["completion", "chat"],
+        req_id: str,
+        model: str,
+        strings: TokenStrings,
+        logprobs: bool,
+    ) -> None:
+        self.kind, self.id, self.model, self.strings = kind, req_id, model, strings
+        self.with_logprobs = logprobs
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    # -- whole responses ------------------------------------------------------------------------
+
+    def response(self, acc: Accumulator) -> dict[str, Any]:
+        choices = []
+        for c in acc.choices:
+            choice: dict[str, Any] = {"index": c.index}
+            if self.kind == "completion":
+                choice["text"] = c.text
+            else:
+                choice["message"] = {"role": "assistant", "content": c.text}
+            choice["logprobs"] = self._logprobs(c.token_ids, c.logprobs, 0)
+            choice["finish_reason"] = c.finish_reason
+            choices.append(choice)
+        obj = "text_completion" if self.kind == "completion" else "chat.completion"
+        return {**self._envelope(obj, choices), "usage": acc.usage()}
+
+    # -- streamed chunks ------------------------------------------------------------------------
+
+    def chunk(self, c: Choice, deltas: list[TextDelta]) -> dict[str, Any] | None:
+        """One event for a choice's coalesced deltas; None when there is nothing to say."""
+        text = "".join(d.text for d in deltas)
+        ids = [t for d in deltas for t in d.token_ids]
+        lps = [x for d in deltas for x in (d.logprobs or [])]
+        finish = deltas[-1].finish_reason
+        if not text and finish is None and not (self.with_logprobs and lps):
+            return None
+        logprobs = self._logprobs(ids, lps, c.text_offset)
+        if self.kind == "completion":
+            c.text_offset += sum(len(s) for s in logprobs["tokens"]) if logprobs else 0
+            choice = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return self._envelope("text_completion", [choice])
+        delta = {"content": text} if text or finish is None else {}
+        choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return self._envelope("chat.completion.chunk", [choice])
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": ""}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return self._envelope("chat.completion.chunk", [choice])
+
+    def usage_chunk(self, acc: Accumulator) -> dict[str, Any]:
+        obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        return {**self._envelope(obj, []), "usage": acc.usage()}
+
+    # -- logprobs -------------------------------------------------------------------------------
+
+    def _logprobs(
+        self, ids: list[int], lps: list[TokenLogprobs], offset: int
+    ) -> dict[str, Any] | None:
+        if not self.with_logprobs:
+            return None
+        s = self.strings
+        if self.kind == "chat":
+            return {
+                "content": [
+                    {
+                        **self._chat_token(t, lp.logprob),
+                        "top_logprobs": [
+                            self._chat_token(i, x) for i, x in zip(lp.top_ids, lp.top_logprobs)
+                        ],
+                    }
+                    for t, lp in zip(ids, lps)
+                ],
+                "refusal": None,
+            }
+        tokens = [s.text(t) for t in ids[: len(lps)]]
+        offsets = []
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        top = []
+        for t, lp in zip(ids, lps):
+            entry = {s.text(i): _lp(x) for i, x in zip(lp.top_ids, lp.top_logprobs)}
+            entry.setdefault(s.text(t), _lp(lp.logprob))
+            top.append(entry)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_lp(lp.logprob) for lp in lps],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        b = self.strings.bytes(token_id)
+        return {
+            "token": b.decode("utf-8", errors="replace"),
+            "logprob": _lp(logprob),
+            "bytes": list(b),
+        }
