@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from common.sampling_params import SamplingParams
+from common.telemetry import StepTelemetry
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -37,6 +38,7 @@ class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
     new_requests: list[NewRequestData]
     running: RunningRequestData
     finished_req_ids: list[str]  # drop worker state: finished, aborted or preempted
+    sent_at: float = 0.0  # time.time() when sent, for IPC telemetry
 
     @property
     def num_requests(self) -> int:
@@ -60,6 +62,8 @@ class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
     forward_s: float = 0.0
     sample_s: float = 0.0
     idle_s: float = 0.0  # worker time spent waiting for this plan (the device's idle gap)
+    plan_ipc_s: float = 0.0  # plan transit + decode
+    sent_at: float = 0.0  # time.time() when sent
 
 
 # --- api <-> tokenizer <-> scheduler ---------------------------------------------------------
@@ -157,6 +161,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="sched_stats"):
     num_preemptions: int
     max_model_len: int
     model_name: str
+    telemetry: StepTelemetry | None = None
 
 
 class WorkerReady(msgspec.Struct, array_like=True, tag="worker_ready"):

@@ -18,6 +18,8 @@ commands:
   serve        start api, tokenizers, scheduler and worker (see `stoker serve --help`)
   generate     offline generation with the in-process engine
   train-draft  distil a small draft model from a target model
+  bench serve  load-test any OpenAI-compatible server (see `stoker bench serve --help`)
+  bench offline  offline throughput: stoker vs transformers (vs vLLM-CPU)
   api | tokenizer | scheduler | worker   run one service process on its own
 """
 
@@ -59,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         from services.training.train_draft import main as train_draft_main
 
         return train_draft_main(rest)
+    if command == "bench" and rest and rest[0] in ("serve", "offline"):
+        module = importlib.import_module(f"services.bench.{rest[0]}")
+        return module.main(rest[1:])
     if command in SERVICES:
         module = importlib.import_module(SERVICES[command])
         module.main(rest)

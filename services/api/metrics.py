@@ -12,10 +12,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from common.messages import SchedulerStats
+from common.telemetry import STEP_BUCKETS, STEP_METRICS, StepTelemetry
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
 _LATENCY_BUCKETS += (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -31,7 +38,7 @@ class _EngineCollector(Collector):
     def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         self._snapshot = snapshot
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         s = snap.stats
         gauges = {
@@ -62,6 +69,27 @@ class _EngineCollector(Collector):
         for tok_id, n in sorted(snap.tokenizer_requests.items()):
             per_tokenizer.add_metric([tok_id], float(n))
         yield per_tokenizer
+        yield from _step_metrics(s.telemetry if s else None)
+
+
+def _step_metrics(telemetry: StepTelemetry | None) -> Iterator[Metric]:
+    """The scheduler's cumulative step histograms, re-exposed as Prometheus histograms."""
+    telemetry = telemetry or StepTelemetry.empty()
+    for name, doc in STEP_METRICS.items():
+        state = telemetry.histograms[name]
+        cumulative, buckets = 0, []
+        for bound, count in zip((*STEP_BUCKETS, float("inf")), state.counts):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        yield HistogramMetricFamily(
+            f"stoker:step_{name}_seconds", doc, buckets=buckets, sum_value=state.total
+        )
+    yield GaugeMetricFamily(
+        "stoker:device_busy_fraction",
+        "Fraction of recent wall time the worker spent running steps.",
+        value=telemetry.busy_fraction,
+    )
+    yield CounterMetricFamily("stoker:steps", "Steps run by the worker.", value=telemetry.num_steps)
 
 
 class Metrics:

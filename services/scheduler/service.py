@@ -16,8 +16,10 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
+import msgspec
 import uvloop
 import zmq
 import zmq.asyncio
@@ -35,6 +37,7 @@ from common.messages import (
     TokenBatch,
     WorkerReady,
 )
+from common.telemetry import BusyTracker, StepTelemetry
 from common.validation import check_request
 from services.engine_args import add_engine_args, engine_config_from_args
 from services.scheduler.block_manager import BlockManager
@@ -70,6 +73,8 @@ class SchedulerService:
         self.owners: dict[str, _Owner] = {}
         self.wakeup = asyncio.Event()
         self.stats_due = asyncio.Event()
+        self.telemetry = StepTelemetry.empty()
+        self.busy = BusyTracker()
         self.scheduler: Scheduler | None = None
         self.blocks: BlockManager | None = None
         self.max_model_len = 0
@@ -151,22 +156,42 @@ class SchedulerService:
         inflight: collections.deque[StepPlan] = collections.deque()
         while True:
             if len(inflight) < self.depth:
+                t0 = time.perf_counter()
                 plan = self.scheduler.schedule()
+                t1 = time.perf_counter()
                 if plan.num_requests or plan.finished_req_ids:
+                    plan.sent_at = time.time()
                     await self.plans.send(encoder.encode(plan))
                     inflight.append(plan)
+                    self.telemetry.observe("schedule", t1 - t0)
+                    self.telemetry.observe("plan_encode", time.perf_counter() - t1)
                     if plan.num_requests and len(inflight) < self.depth:
                         continue  # plan the next step before waiting on this one
             if inflight:
-                result = worker_outbound_decoder.decode(await self.results.recv())
+                raw = await self.results.recv()
+                result = worker_outbound_decoder.decode(raw)
                 assert isinstance(result, StepResult)
+                t0 = time.perf_counter()
                 plan = inflight.popleft()
                 self._publish(self.scheduler.update(plan, result))
+                self._record_step(result, time.perf_counter() - t0)
                 if not self.scheduler.has_unfinished():
                     self.stats_due.set()
                 continue
             self.wakeup.clear()
             await self.wakeup.wait()
+
+    def _record_step(self, result: StepResult, update_s: float) -> None:
+        t = self.telemetry
+        t.num_steps += 1
+        t.observe("update", update_s)
+        t.observe("plan_ipc", max(0.0, result.plan_ipc_s))
+        t.observe("result_ipc", max(0.0, time.time() - result.sent_at))
+        t.observe("worker_prepare", result.prepare_s)
+        t.observe("worker_forward", result.forward_s)
+        t.observe("worker_sample", result.sample_s)
+        t.observe("worker_idle", result.idle_s)
+        self.busy.add(result.prepare_s + result.forward_s + result.sample_s)
 
     def _publish(self, updates: list[RequestUpdate]) -> None:
         assert self.scheduler is not None
@@ -219,6 +244,7 @@ class SchedulerService:
             num_preemptions=self.scheduler.num_preemptions,
             max_model_len=self.max_model_len,
             model_name=self.model_name,
+            telemetry=msgspec.structs.replace(self.telemetry, busy_fraction=self.busy.fraction()),
         )
 
 

@@ -50,8 +50,11 @@ def run_worker(config: EngineConfig, addresses: Addresses) -> None:
             raw = plans.recv()
             started = time.perf_counter()
             plan = plan_decoder.decode(raw)
+            plan_ipc_s = time.time() - plan.sent_at
             result = runner.execute(plan)
             result.idle_s = started - idle_since
+            result.plan_ipc_s = plan_ipc_s
+            result.sent_at = time.time()
             results.send(encoder.encode(result))
             idle_since = time.perf_counter()
     finally:

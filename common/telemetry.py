@@ -1,0 +1,80 @@
+"""Step telemetry: where each step's time goes, shipped from the scheduler to the api.
+
+The scheduler keeps cumulative histograms (fixed buckets) and sends them whole with each
+SchedulerStats, so the message size is independent of the step rate, and the api exposes them
+as Prometheus histograms at scrape time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import time
+
+import msgspec
+
+# From 10 µs (a scheduler step at batch 1) to 5 s (a long CPU prefill).
+STEP_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0,
+    2.0, 5.0,
+)  # fmt: skip
+
+STEP_METRICS = {
+    "schedule": "Scheduler planning time per step (schedule()).",
+    "plan_encode": "Scheduler time to encode and send a step plan.",
+    "plan_ipc": "Plan transit and decode, scheduler send to worker start.",
+    "result_ipc": "Result transit and decode, worker send to scheduler receipt.",
+    "update": "Scheduler time to apply a result and publish tokens (update()).",
+    "worker_prepare": "Worker input preparation per step.",
+    "worker_forward": "Worker model forward per step.",
+    "worker_sample": "Worker sampling per step.",
+    "worker_idle": "Worker idle gap: time it waited for the next plan.",
+}
+
+
+class HistogramState(msgspec.Struct, array_like=True, gc=False):
+    counts: list[int]  # per bucket, non-cumulative; the last is +Inf
+    total: float = 0.0
+
+    @classmethod
+    def empty(cls) -> HistogramState:
+        return cls([0] * (len(STEP_BUCKETS) + 1))
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(STEP_BUCKETS, value)] += 1
+        self.total += value
+
+
+class StepTelemetry(msgspec.Struct, array_like=True, gc=False):
+    histograms: dict[str, HistogramState]
+    busy_fraction: float = 0.0  # worker busy time / wall time over the last few seconds
+    num_steps: int = 0
+
+    @classmethod
+    def empty(cls) -> StepTelemetry:
+        return cls({name: HistogramState.empty() for name in STEP_METRICS})
+
+    def observe(self, name: str, value: float) -> None:
+        self.histograms[name].observe(value)
+
+
+class BusyTracker:
+    """Rolling fraction of wall time the worker spent in steps."""
+
+    def __init__(self, window_s: float = 5.0) -> None:
+        self.window_s = window_s
+        self._samples: collections.deque[tuple[float, float]] = collections.deque()
+
+    def add(self, busy_s: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._samples.append((now, busy_s))
+        while self._samples and now - self._samples[0][0] > self.window_s:
+            self._samples.popleft()
+
+    def fraction(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        while self._samples and now - self._samples[0][0] > self.window_s:
+            self._samples.popleft()
+        if not self._samples:
+            return 0.0
+        return min(1.0, sum(b for _, b in self._samples) / self.window_s)
