@@ -25,6 +25,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0
+    # Skip the model: the worker returns a fixed next token at zero cost, so the whole pipeline
+    # (api -> tokenizer -> scheduler -> worker -> detokenizer -> api) can be timed on its own.
+    null_model: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -33,6 +33,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.enable_prefix_caching,
     )
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument(
+        "--null-model",
+        action="store_true",
+        help="no model compute: measure the host pipeline alone (tokenizer from --model)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -48,7 +53,10 @@ def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
         if value is None:
             continue
         flag = "--" + field.name.replace("_", "-")
-        if isinstance(value, bool):
+        if field.name == "null_model":
+            if value:
+                argv.append(flag)
+        elif isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
         else:
             argv += [flag, str(value)]

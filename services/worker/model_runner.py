@@ -57,7 +57,9 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(config, self.model_cfg)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
-        self.model = load_model(folder, self.dtype, config.device, self.max_model_len)
+        self.model = None
+        if not config.null_model:
+            self.model = load_model(folder, self.dtype, config.device, self.max_model_len)
         self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
         capacity = self.num_blocks * self.block_size
         if capacity < self.max_model_len:
@@ -70,7 +72,8 @@ class ModelRunner:
             self.max_model_len = capacity
         cfg = self.model_cfg
         shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(cfg.num_layers)]
+        layers = 0 if config.null_model else cfg.num_layers
+        self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(layers)]
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
 
@@ -131,12 +134,17 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
         input_ids, positions, meta, sample_rows, sample_states = self._prepare(scheduled)
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden[sample_rows]) if sample_states else None
+        logits = None
+        if self.model is not None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden[sample_rows]) if sample_states else None
         t2 = time.perf_counter()
         token_ids: list[int] = []
         logprobs: list[TokenLogprobs | None] | None = None
-        if logits is not None:
+        if self.model is None:  # null model: a fixed, cheap next token
+            vocab = self.model_cfg.vocab_size
+            token_ids = [(s.token_ids[-1] * 7 + 1) % vocab for s in sample_states]
+        elif logits is not None:
             batch = SamplingBatch.build(
                 [s.params for s in sample_states],
                 [s.token_ids[: s.prompt_len] for s in sample_states],

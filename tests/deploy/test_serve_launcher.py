@@ -65,3 +65,51 @@ def test_dead_child_is_named_and_serve_exits_nonzero(model, tmp_path):
     while any(alive(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [k for k in kids if alive(k)]
+
+
+def test_null_model_runs_the_whole_pipeline_and_exports_step_telemetry(model, tmp_path):
+    import asyncio
+    import urllib.request
+
+    from openai import AsyncOpenAI
+
+    port = free_port()
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--null-model"]
+    cmd += ["--port", str(port), "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", procs=[proc])
+        client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+
+        async def one(i: int) -> int:
+            stream = await client.completions.create(
+                model=model.name,
+                prompt=[5 + i, 6, 7],
+                max_tokens=64,
+                stream=True,
+                extra_body={"ignore_eos": True},
+                stream_options={"include_usage": True},
+            )
+            usage = None
+            async for chunk in stream:
+                usage = chunk.usage or usage
+            return usage.completion_tokens
+
+        async def many() -> list[int]:
+            return await asyncio.gather(*(one(i) for i in range(32)))
+
+        assert asyncio.run(many()) == [64] * 32
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as resp:
+            metrics = resp.read().decode()
+        counts = {
+            line.split()[0]: float(line.split()[1])
+            for line in metrics.splitlines()
+            if line.startswith("stoker:step_") and "_count" in line
+        }
+        for name in ("schedule", "plan_ipc", "result_ipc", "worker_forward", "worker_idle"):
+            assert counts[f"stoker:step_{name}_seconds_count"] > 0
+        assert "stoker:device_busy_fraction" in metrics
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
