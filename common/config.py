@@ -7,6 +7,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "stoker-tiny"
+DEFAULT_DRAFT_MODEL = REPO_ROOT / "models" / "stoker-tiny-draft"
 
 
 @dataclasses.dataclass
@@ -28,6 +29,15 @@ class EngineConfig:
     # Skip the model: the worker returns a fixed next token at zero cost, so the whole pipeline
     # (api -> tokenizer -> scheduler -> worker -> detokenizer -> api) can be timed on its own.
     null_model: bool = False
+    # Speculative decoding (docs/speculation.md): None, "ngram" (prompt lookup, proposed by the
+    # scheduler) or "draft" (a small model in the worker; default: the bundled draft).
+    speculative: str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_adaptive: bool = True
+    # Adaptive speculation turns off for a step with more decoding requests than this: past it,
+    # a verify step costs more than the tokens it saves (measured: docs/benchmarks.md).
+    speculative_max_batch: int = 8
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -38,3 +48,11 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative must be ngram or draft, got {self.speculative!r}")
+        if self.speculative_model and self.speculative is None:
+            self.speculative = "draft"
+        if self.speculative == "draft" and not self.speculative_model:
+            self.speculative_model = str(DEFAULT_DRAFT_MODEL)
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be at least 1")

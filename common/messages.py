@@ -29,8 +29,12 @@ class RunningRequestData(msgspec.Struct, array_like=True, gc=False):
     """Running requests in this step, as parallel lists (one entry per request)."""
 
     req_ids: list[str] = []
-    num_scheduled_tokens: list[int] = []
+    num_scheduled_tokens: list[int] = []  # 1 + number of draft tokens when speculating
     new_block_ids: list[list[int]] = []
+    # Speculation, one entry per request: draft ids proposed by the scheduler (n-gram), or the
+    # number of drafts the worker's draft model must propose. [] / 0 when not speculating.
+    spec_token_ids: list[list[int]] = []
+    num_spec_tokens: list[int] = []
 
 
 class StepPlan(msgspec.Struct, array_like=True, gc=False, tag="plan"):
@@ -56,8 +60,9 @@ class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
 
     step_id: int
     req_ids: list[str]
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] | None = None  # aligned with req_ids when any asked
+    token_ids: list[int]  # flat; request i contributed counts[i] of them (1 when counts is None)
+    counts: list[int] | None = None  # set when some request speculated
+    logprobs: list[TokenLogprobs | None] | None = None  # aligned with token_ids when any asked
     prepare_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
@@ -147,6 +152,16 @@ class TokenizerHeartbeat(msgspec.Struct, array_like=True, tag="tok_heartbeat"):
     requests_served: int
 
 
+class SpecStats(msgspec.Struct, array_like=True, gc=False):
+    """Speculative decoding counters, cumulative."""
+
+    drafts: int = 0  # verify steps run for a request
+    draft_tokens: int = 0  # tokens proposed
+    accepted_tokens: int = 0  # of those, accepted
+    accepted_per_position: list[int] = []  # [j]: drafts whose position j was accepted
+    disabled_steps: int = 0  # steps where adaptive speculation switched off for batch size
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, tag="sched_stats"):
     """scheduler -> api, a few times a second and whenever the engine goes idle."""
 
@@ -162,6 +177,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="sched_stats"):
     max_model_len: int
     model_name: str
     telemetry: StepTelemetry | None = None
+    spec: SpecStats | None = None
 
 
 class WorkerReady(msgspec.Struct, array_like=True, tag="worker_ready"):

@@ -33,6 +33,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.enable_prefix_caching,
     )
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--speculative", choices=["ngram", "draft"], default=None)
+    g.add_argument("--speculative-model", default=None, help="draft model folder (implies draft)")
+    g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
+    g.add_argument(
+        "--speculative-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=d.speculative_adaptive,
+        help="per-request k from recent acceptance, and off for large batches",
+    )
+    g.add_argument("--speculative-max-batch", type=int, default=d.speculative_max_batch)
     g.add_argument(
         "--null-model",
         action="store_true",

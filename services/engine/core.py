@@ -11,6 +11,7 @@ from common.validation import check_request
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from services.scheduler.speculation import SpecPolicy
 from services.worker.model_runner import ModelRunner
 
 
@@ -30,6 +31,7 @@ class EngineCore:
                 max_model_len=self.max_model_len,
             ),
             self.block_manager,
+            SpecPolicy.from_config(config),
         )
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:

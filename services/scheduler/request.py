@@ -37,6 +37,9 @@ class Request:
         "finish_reason",
         "arrival_time",
         "first_scheduled_time",
+        "spec_inflight",
+        "spec_ema",
+        "ngram_index",
     )
 
     def __init__(
@@ -66,6 +69,9 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
+        self.spec_inflight = -1  # drafts in the verify step in flight; -1: no verify in flight
+        self.spec_ema: float | None = None  # accepted drafts per verify (EMA); None: no verify yet
+        self.ngram_index = None
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,7 @@ from collections import deque
 from common.messages import NewRequestData, RunningRequestData, StepPlan, StepResult, TokenLogprobs
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import FinishReason, Request, RequestStatus
+from services.scheduler.speculation import SpecPolicy
 
 
 @dataclasses.dataclass
@@ -45,12 +46,18 @@ class RequestUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        spec: SpecPolicy | None = None,
+    ) -> None:
         # A lone request must always fit in the pool, or preempting everyone else could never
         # make room for it: cap the context length at the pool's capacity.
         capacity = block_manager.num_blocks * block_manager.block_size
         self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len, capacity))
         self.blocks = block_manager
+        self.spec = spec
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -101,10 +108,20 @@ class Scheduler:
         preempted = False
         now = time.monotonic()
 
+        speculate = self.spec is not None and self.spec.enabled_for_step(len(self.running))
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_tokens = min(request.num_planned_tokens - request.num_computed_tokens, budget)
+            drafts: list[int] | int = 0
+            if request.spec_inflight >= 0:
+                num_tokens = 0  # its token count is unknown until the verify returns
+            elif speculate and num_tokens == 1 and request.num_output_tokens > 0:
+                if request.num_placeholders:
+                    num_tokens = 0  # speculate from real tokens once the step in flight returns
+                else:
+                    drafts = self._drafts(request, budget)
+                    num_tokens += drafts if isinstance(drafts, int) else len(drafts)
             if num_tokens <= 0 or request.is_done_after_inflight(self.config.max_model_len):
                 i += 1
                 continue
@@ -118,7 +135,7 @@ class Scheduler:
                 new_blocks = self._allocate(request, num_tokens)
             if new_blocks is None:
                 break
-            self._emit(request, num_tokens, new_blocks, new_requests, running)
+            self._emit(request, num_tokens, new_blocks, new_requests, running, drafts)
             budget -= num_tokens
             i += 1
 
@@ -165,6 +182,18 @@ class Scheduler:
         self._finished_ids = []
         return plan
 
+    def _drafts(self, request: Request, budget: int) -> list[int] | int:
+        """Draft ids (n-gram) or a draft count (draft model), within max_tokens, the context
+        length and the step budget: a verify yields at most k + 1 tokens."""
+        assert self.spec is not None
+        room = min(
+            request.max_tokens - request.num_output_tokens - 1,
+            self.config.max_model_len - request.num_tokens - 1,
+            budget - 1,
+        )
+        k = min(self.spec.num_drafts(request), room)
+        return self.spec.propose(request, k) if k > 0 else 0
+
     def _fits_above_watermark(self, request: Request, total_tokens: int) -> bool:
         if not self.running:  # an idle engine always admits, whatever the watermark
             return True
@@ -182,6 +211,7 @@ class Scheduler:
         new_blocks: list[int],
         new_requests: list[NewRequestData],
         running: RunningRequestData,
+        drafts: list[int] | int = 0,
     ) -> None:
         if request.needs_full_send:
             request.needs_full_send = False
@@ -200,11 +230,17 @@ class Scheduler:
             running.req_ids.append(request.req_id)
             running.num_scheduled_tokens.append(num_tokens)
             running.new_block_ids.append(new_blocks)
+            if self.spec is not None:
+                ids = drafts if isinstance(drafts, list) else []
+                running.spec_token_ids.append(ids)
+                running.num_spec_tokens.append(num_tokens - 1 if drafts else 0)
+                if drafts:
+                    request.spec_inflight = num_tokens - 1
         # Advance now, not when the result arrives, so the next step can be planned while this
         # one runs (overlap scheduling): a step that reaches the end of the known tokens will
         # sample one, which the next plan already counts on as a placeholder.
         request.num_computed_tokens += num_tokens
-        if request.num_computed_tokens == request.num_planned_tokens:
+        if request.num_computed_tokens >= request.num_planned_tokens:  # samples (or verifies)
             request.num_placeholders += 1
 
     def _preempt(self, request: Request) -> None:
@@ -212,6 +248,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_placeholders = 0
+        request.spec_inflight = -1
         request.num_preemptions += 1
         request.needs_full_send = True
         self.num_preemptions += 1
@@ -234,24 +271,45 @@ class Scheduler:
         # in its last step must already be in the prefix cache by then.
         self._cache_computed_blocks(plan)
         updates: list[RequestUpdate] = []
-        logprobs = result.logprobs
-        max_len = self.config.max_model_len
-        for row, (req_id, token) in enumerate(zip(result.req_ids, result.token_ids)):
+        counts = result.counts
+        offset = 0
+        for row, req_id in enumerate(result.req_ids):
+            count = 1 if counts is None else counts[row]
+            tokens = result.token_ids[offset : offset + count]
+            logprobs = None if result.logprobs is None else result.logprobs[offset : offset + count]
+            offset += count
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran: drop the token
+                continue  # aborted or preempted while the step ran: drop the tokens
+            update = self._append(request, tokens, logprobs)
+            if update is not None:
+                updates.append(update)
+        return updates
+
+    def _append(
+        self,
+        request: Request,
+        tokens: list[int],
+        logprobs: list[TokenLogprobs | None] | None,
+    ) -> RequestUpdate | None:
+        request.num_placeholders -= 1
+        if request.spec_inflight >= 0:
+            assert self.spec is not None
+            drafts, accepted = request.spec_inflight, len(tokens) - 1
+            request.num_computed_tokens -= drafts - accepted  # rejected positions are not valid
+            request.spec_inflight = -1
+            self.spec.on_result(request, drafts, accepted)
+        max_len = self.config.max_model_len
+        for i, token in enumerate(tokens):
             request.token_ids.append(token)
-            request.num_placeholders -= 1
-            update = RequestUpdate(req_id, [token], request)
-            if logprobs is not None:
-                update.logprobs = [logprobs[row]]
             reason = request.check_stop(max_len)
             if reason is not None:
                 self.running.remove(request)
                 self._finish(request, reason)
-                update.finish_reason = reason
-            updates.append(update)
-        return updates
+                return RequestUpdate(
+                    request.req_id, tokens[: i + 1], request, reason, _cut(logprobs, i + 1)
+                )
+        return RequestUpdate(request.req_id, tokens, request, None, logprobs)
 
     def _cache_computed_blocks(self, plan: StepPlan) -> None:
         ids = [n.req_id for n in plan.new_requests] + plan.running.req_ids
@@ -260,3 +318,7 @@ class Scheduler:
             if request is not None and request.status == RequestStatus.RUNNING:
                 computed = min(request.num_computed_tokens, request.num_tokens)
                 self.blocks.cache_blocks(req_id, request.token_ids, computed)
+
+
+def _cut(logprobs: list | None, n: int) -> list | None:
+    return None if logprobs is None else logprobs[:n]

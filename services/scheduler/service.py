@@ -43,6 +43,7 @@ from services.engine_args import add_engine_args, engine_config_from_args
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from services.scheduler.speculation import SpecPolicy
 from services.worker.model_config import ModelConfig
 
 log = logging.getLogger("stoker.scheduler")
@@ -93,6 +94,7 @@ class SchedulerService:
                 max_model_len=ready.max_model_len,
             ),
             self.blocks,
+            SpecPolicy.from_config(self.config),
         )
         log.info(
             "scheduler ready: %d blocks, max_model_len %d", ready.num_blocks, ready.max_model_len
@@ -245,6 +247,7 @@ class SchedulerService:
             max_model_len=self.max_model_len,
             model_name=self.model_name,
             telemetry=msgspec.structs.replace(self.telemetry, busy_fraction=self.busy.fraction()),
+            spec=self.scheduler.spec.stats if self.scheduler.spec is not None else None,
         )
 
 

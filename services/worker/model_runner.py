@@ -18,12 +18,25 @@ import torch
 from common.config import EngineConfig
 from common.messages import StepPlan, StepResult, TokenLogprobs
 from common.sampling_params import SamplingParams
-from services.worker.attention_metadata import AttentionMetadata, PrefillSpan
+from services.worker.drafter import Drafter
 from services.worker.loader import check_model_folder, load_model, resolve_dtype
 from services.worker.model_config import ModelConfig
 from services.worker.sampler import Sampler, SamplingBatch
+from services.worker.spec_verify import VerifyGroup, verify
+from services.worker.step_inputs import Chunk, build_step_inputs
 
 log = logging.getLogger("stoker.worker")
+
+
+@dataclasses.dataclass
+class Scheduled:
+    """A request's share of this step: num_tokens to compute, or a verify of k drafts."""
+
+    state: RequestState
+    num_tokens: int
+    drafts: list[int] = dataclasses.field(default_factory=list)
+    k: int = 0  # drafts to verify (from the scheduler's n-gram ids or the draft model)
+    draft_probs: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -76,6 +89,19 @@ class ModelRunner:
         self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(layers)]
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+        self.drafter: Drafter | None = None
+        if config.speculative == "draft" and not config.null_model:
+            assert config.speculative_model is not None
+            self.drafter = Drafter(
+                config.speculative_model,
+                self.model_cfg,
+                self.num_blocks,
+                self.block_size,
+                self.dtype,
+                self.device,
+                self.max_model_len,
+                self._zeros,
+            )
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         """Zeroed KV memory. On CPU it comes from calloc via numpy, so pages are mapped lazily and
@@ -99,10 +125,12 @@ class ModelRunner:
 
     # -- plan bookkeeping ---------------------------------------------------------------------
 
-    def _apply_plan(self, plan: StepPlan) -> list[tuple[RequestState, int]]:
+    def _apply_plan(self, plan: StepPlan) -> list[Scheduled]:
         for req_id in plan.finished_req_ids:
             self.requests.pop(req_id, None)
-        scheduled: list[tuple[RequestState, int]] = []
+            if self.drafter is not None:
+                self.drafter.drop(req_id)
+        scheduled: list[Scheduled] = []
         for new in plan.new_requests:
             state = RequestState(
                 req_id=new.req_id,
@@ -113,15 +141,17 @@ class ModelRunner:
                 num_computed=new.num_computed_tokens,
             )
             self.requests[new.req_id] = state
-            scheduled.append((state, new.num_scheduled_tokens))
+            scheduled.append(Scheduled(state, new.num_scheduled_tokens))
         running = plan.running
-        for req_id, num_tokens, new_blocks in zip(
-            running.req_ids, running.num_scheduled_tokens, running.new_block_ids
+        spec_ids = running.spec_token_ids or [[]] * len(running.req_ids)
+        num_spec = running.num_spec_tokens or [0] * len(running.req_ids)
+        for req_id, num_tokens, new_blocks, drafts, k in zip(
+            running.req_ids, running.num_scheduled_tokens, running.new_block_ids, spec_ids, num_spec
         ):
             state = self.requests[req_id]
             if new_blocks:
                 state.block_ids.extend(new_blocks)
-            scheduled.append((state, num_tokens))
+            scheduled.append(Scheduled(state, num_tokens, list(drafts), k))
         return scheduled
 
     # -- one step -------------------------------------------------------------------------------
@@ -132,115 +162,135 @@ class ModelRunner:
         scheduled = self._apply_plan(plan)
         if not scheduled:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
-        input_ids, positions, meta, sample_rows, sample_states = self._prepare(scheduled)
+        self._propose_drafts(scheduled)
+        chunks = [self._chunk(item) for item in scheduled]
+        inputs = build_step_inputs(chunks, self.block_size, self.device)
+        sampled = [item for item, c in zip(scheduled, chunks) if c.num_sampled]
         t1 = time.perf_counter()
         logits = None
-        if self.model is not None:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            logits = self.model.compute_logits(hidden[sample_rows]) if sample_states else None
+        if self.model is not None and sampled:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])
         t2 = time.perf_counter()
-        token_ids: list[int] = []
-        logprobs: list[TokenLogprobs | None] | None = None
-        if self.model is None:  # null model: a fixed, cheap next token
-            vocab = self.model_cfg.vocab_size
-            token_ids = [(s.token_ids[-1] * 7 + 1) % vocab for s in sample_states]
-        elif logits is not None:
-            batch = SamplingBatch.build(
-                [s.params for s in sample_states],
-                [s.token_ids[: s.prompt_len] for s in sample_states],
-                [s.token_ids[s.prompt_len :] for s in sample_states],
-                self.model_cfg.vocab_size,
-                self.device,
-            )
-            out = self.sampler(logits, batch)
-            token_ids = out.token_ids.tolist()
-            if out.logprobs is not None:
-                logprobs = _collect_logprobs(sample_states, out)
-        for state, num_tokens in scheduled:
-            state.num_computed += num_tokens
-        for state, token in zip(sample_states, token_ids):
-            state.token_ids.append(token)
+        outputs = self._sample(sampled, logits, inputs, chunks, scheduled)
+        for item in scheduled:
+            if item.k:
+                continue  # advanced below by what was accepted
+            item.state.num_computed += item.num_tokens
+        req_ids, token_ids, counts, logprobs = [], [], [], []
+        any_logprobs = False
+        for item, (tokens, lps) in zip(sampled, outputs):
+            state = item.state
+            if item.k:
+                accepted = len(tokens) - 1
+                if self.drafter is not None:
+                    self.drafter.accept(state.req_id, len(state.token_ids), item.k, accepted)
+                state.num_computed += 1 + accepted
+            state.token_ids.extend(tokens)
+            req_ids.append(state.req_id)
+            token_ids.extend(tokens)
+            counts.append(len(tokens))
+            logprobs.extend(lps if lps is not None else [None] * len(tokens))
+            any_logprobs = any_logprobs or lps is not None
         t3 = time.perf_counter()
         return StepResult(
             step_id=plan.step_id,
-            req_ids=[s.req_id for s in sample_states],
+            req_ids=req_ids,
             token_ids=token_ids,
-            logprobs=logprobs,
+            counts=counts if len(token_ids) != len(req_ids) else None,
+            logprobs=logprobs if any_logprobs else None,
             prepare_s=t1 - t0,
             forward_s=t2 - t1,
             sample_s=t3 - t2,
         )
 
-    def _prepare(self, scheduled: list[tuple[RequestState, int]]):
-        """Flatten the step's tokens decode-first and build the attention metadata."""
-        bs = self.block_size
-        decodes = [(s, n) for s, n in scheduled if n == 1]
-        prefills = [(s, n) for s, n in scheduled if n != 1]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_states: list[RequestState] = []
-        for state, _ in decodes:
-            pos = state.num_computed
-            input_ids.append(state.token_ids[pos])
-            positions.append(pos)
-            slots.append(state.block_ids[pos // bs] * bs + pos % bs)
-            if pos + 1 == len(state.token_ids):
-                sample_rows.append(len(input_ids) - 1)
-                sample_states.append(state)
-        decode_tables = decode_lens = None
-        if decodes:
-            max_blocks = max(len(s.block_ids) for s, _ in decodes)
-            table = np.zeros((len(decodes), max_blocks), dtype=np.int64)
-            for row, (state, _) in enumerate(decodes):
-                table[row, : len(state.block_ids)] = state.block_ids
-            decode_tables = torch.from_numpy(table).to(self.device)
-            decode_lens = torch.tensor([s.num_computed + 1 for s, _ in decodes], device=self.device)
-        spans: list[PrefillSpan] = []
-        for state, num_tokens in prefills:
-            start_pos = state.num_computed
-            end_pos = start_pos + num_tokens
-            start_row = len(input_ids)
-            input_ids.extend(state.token_ids[start_pos:end_pos])
-            pos = np.arange(start_pos, end_pos)
-            positions.extend(pos.tolist())
-            blocks = np.asarray(state.block_ids, dtype=np.int64)
-            slots.extend((blocks[pos // bs] * bs + pos % bs).tolist())
-            table = None
-            if start_pos > 0:
-                table = torch.tensor(state.block_ids[: -(-end_pos // bs)], device=self.device)
-            spans.append(PrefillSpan(start_row, len(input_ids), end_pos, table))
-            if end_pos == len(state.token_ids):
-                sample_rows.append(len(input_ids) - 1)
-                sample_states.append(state)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=self.device),
-            num_decode=len(decodes),
-            decode_block_tables=decode_tables,
-            decode_context_lens=decode_lens,
-            prefills=spans,
+    def _propose_drafts(self, scheduled: list[Scheduled]) -> None:
+        wanted = [item for item in scheduled if item.k and not item.drafts]
+        if not wanted:
+            return
+        if self.drafter is None:
+            raise RuntimeError("the plan asks for draft-model proposals but no draft is loaded")
+        proposals = self.drafter.propose(
+            [
+                (i.state.req_id, i.state.token_ids, i.state.block_ids, i.state.params, i.k)
+                for i in wanted
+            ]
         )
-        return (
-            torch.tensor(input_ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            meta,
-            torch.tensor(sample_rows, device=self.device),
-            sample_states,
+        for item, (drafts, dist) in zip(wanted, proposals):
+            item.drafts, item.draft_probs = drafts, dist
+
+    def _chunk(self, item: Scheduled) -> Chunk:
+        state = item.state
+        start = state.num_computed
+        if item.k:  # verify: the last known token, then the drafts; logits at every position
+            return Chunk([state.token_ids[-1], *item.drafts], start, state.block_ids, item.k + 1)
+        end = start + item.num_tokens
+        sample = 1 if end == len(state.token_ids) else 0
+        return Chunk(state.token_ids[start:end], start, state.block_ids, sample)
+
+    def _sample(self, sampled, logits, inputs, chunks, scheduled):
+        """Per sampled request: (new tokens, their logprobs or None)."""
+        if not sampled:
+            return []
+        if self.model is None:  # null model: a fixed, cheap next token
+            vocab = self.model_cfg.vocab_size
+            return [([(i.state.token_ids[-1] * 7 + 1) % vocab], None) for i in sampled]
+        ranges = [r for r, c in zip(inputs.sample_ranges, chunks) if c.num_sampled]
+        params, prompts, outputs, groups = [], [], [], []
+        for item, (first, last) in zip(sampled, ranges):
+            state = item.state
+            prompt, output = (
+                state.token_ids[: state.prompt_len],
+                state.token_ids[state.prompt_len :],
+            )
+            for j in range(last - first):  # verify rows see the drafts before them as output
+                params.append(state.params)
+                prompts.append(prompt)
+                outputs.append(output + item.drafts[:j])
+            if item.k:
+                groups.append(
+                    VerifyGroup(
+                        first,
+                        item.drafts,
+                        item.draft_probs,
+                        state.params.greedy,
+                        state.params.seed,
+                        len(output),
+                    )
+                )
+        batch = SamplingBatch.build(
+            params, prompts, outputs, self.model_cfg.vocab_size, self.device
         )
+        if not groups:
+            out = self.sampler(logits, batch)
+            tokens = [[t] for t in out.token_ids.tolist()]
+        else:
+            verified = iter(verify(logits, batch, groups, self.sampler.generator))
+            plain = (
+                self.sampler(logits, batch).token_ids.tolist() if len(groups) < len(sampled) else []
+            )
+            tokens = [
+                next(verified) if item.k else [plain[first]]
+                for item, (first, _) in zip(sampled, ranges)
+            ]
+        if batch.no_logprobs:
+            return [(t, None) for t in tokens]
+        return [
+            (t, _token_logprobs(logits, first, t, item.state.params.logprobs))
+            for item, t, (first, _) in zip(sampled, tokens, ranges)
+        ]
 
 
-def _collect_logprobs(states: list[RequestState], out) -> list[TokenLogprobs | None]:
-    chosen = out.logprobs.tolist()
-    top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-    top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-    result: list[TokenLogprobs | None] = []
-    for i, state in enumerate(states):
-        k = state.params.logprobs
-        if k is None:
-            result.append(None)
-            continue
-        ids = top_ids[i][:k] if top_ids is not None else []
-        lps = top_lps[i][:k] if top_lps is not None else []
-        result.append(TokenLogprobs(logprob=chosen[i], top_ids=ids, top_logprobs=lps))
-    return result
+def _token_logprobs(
+    logits: torch.Tensor, first: int, tokens: list[int], top_n: int | None
+) -> list[TokenLogprobs] | None:
+    """Raw-logit logprobs (vLLM V1 default) of each output token at its own row."""
+    if top_n is None:
+        return None
+    rows = torch.log_softmax(logits[first : first + len(tokens)].float(), dim=-1)
+    chosen = rows.gather(-1, torch.tensor(tokens, device=rows.device)[:, None]).squeeze(-1)
+    top_lp, top_ids = rows.topk(top_n, dim=-1) if top_n else (rows[:, :0], rows[:, :0].long())
+    return [
+        TokenLogprobs(logprob=c, top_ids=i, top_logprobs=lp)
+        for c, i, lp in zip(chosen.tolist(), top_ids.tolist(), top_lp.tolist())
+    ]

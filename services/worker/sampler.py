@@ -231,3 +231,17 @@ def _with_logprobs(
     chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
     top_logprobs, top_ids = logprobs.topk(batch.max_num_logprobs, dim=-1)
     return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
+
+
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution random rows sample from, normalised: softmax(logits / temperature), then
+    top-k, top-p and min-p. `logits` are float32 and already penalised. Speculative decoding
+    verifies drafts against exactly this distribution."""
+    probs = _filter(torch.softmax(logits / batch.temperature[:, None], dim=-1), batch)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen

@@ -1,0 +1,112 @@
+"""Speculation policy on the scheduler side (sans-IO): whether a step speculates, how many
+draft tokens each request gets, n-gram proposals, and the acceptance counters.
+
+Adaptive policy (docs/speculation.md):
+- k per request follows an exponential moving average of its accepted drafts per verify:
+  k = clamp(ceil(ema) + 1, 1, K). A request whose drafts keep failing drops to k = 1; one whose
+  drafts all pass climbs back to K.
+- A step with more decoding requests than `max_batch` does not speculate: at that size the
+  forward is no longer dominated by fixed per-step cost, so verifying k extra positions per
+  request costs about as much as the tokens it would save.
+"""
+
+from __future__ import annotations
+
+import math
+
+from common.config import EngineConfig
+from common.messages import SpecStats
+from services.scheduler.request import Request
+
+EMA_WEIGHT = 0.5  # recent verifies dominate: acceptance shifts quickly within one answer
+
+
+class NgramIndex:
+    """Prompt-lookup index for one request: for each n-gram (n in [min_n, max_n]), where the
+    token after its most recent occurrence sits. Updated per appended token, so a proposal is a
+    few dict probes, never a scan of the context."""
+
+    __slots__ = ("min_n", "max_n", "next_pos", "indexed")
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.next_pos: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # tokens[:indexed] are in the index
+
+    def update(self, tokens: list[int]) -> None:
+        for p in range(max(self.indexed, 1), len(tokens)):
+            for n in range(self.min_n, self.max_n + 1):
+                if p >= n:
+                    self.next_pos[tuple(tokens[p - n : p])] = p
+        self.indexed = len(tokens)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Continuation of the longest suffix seen earlier: the tokens that followed it."""
+        self.update(tokens)
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(tokens) <= n:
+                continue
+            start = self.next_pos.get(tuple(tokens[-n:]))
+            # The suffix's own occurrence ends at len(tokens) and is registered only once the
+            # next token exists, so `start` always points into known tokens.
+            if start is not None:
+                return tokens[start : start + k]
+        return []
+
+
+class SpecPolicy:
+    def __init__(
+        self,
+        method: str,
+        num_tokens: int,
+        adaptive: bool = True,
+        max_batch: int = 8,
+        ngram_min: int = 2,
+        ngram_max: int = 4,
+    ) -> None:
+        self.method = method
+        self.max_k = num_tokens
+        self.adaptive = adaptive
+        self.max_batch = max_batch
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.stats = SpecStats(accepted_per_position=[0] * num_tokens)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> SpecPolicy | None:
+        if config.speculative is None or config.null_model:
+            return None
+        return cls(
+            config.speculative,
+            config.num_speculative_tokens,
+            adaptive=config.speculative_adaptive,
+            max_batch=config.speculative_max_batch,
+        )
+
+    def enabled_for_step(self, num_decoding: int) -> bool:
+        if self.adaptive and num_decoding > self.max_batch:
+            self.stats.disabled_steps += 1
+            return False
+        return True
+
+    def num_drafts(self, request: Request) -> int:
+        if not self.adaptive or request.spec_ema is None:
+            return self.max_k
+        return max(1, min(self.max_k, math.ceil(request.spec_ema) + 1))
+
+    def propose(self, request: Request, k: int) -> list[int] | int:
+        """n-gram: the draft ids (possibly fewer than k, or none). draft model: k."""
+        if self.method != "ngram":
+            return k
+        if request.ngram_index is None:
+            request.ngram_index = NgramIndex(self.ngram_min, self.ngram_max)
+        return request.ngram_index.propose(request.token_ids, k)
+
+    def on_result(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        s = self.stats
+        s.drafts += 1
+        s.draft_tokens += num_drafts
+        s.accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            s.accepted_per_position[j] += 1
+        previous = self.max_k if request.spec_ema is None else request.spec_ema
+        request.spec_ema = EMA_WEIGHT * num_accepted + (1 - EMA_WEIGHT) * previous

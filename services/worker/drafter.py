@@ -1,0 +1,110 @@
+"""The draft model proposer: a small model in the worker that proposes k tokens per request.
+
+Its KV cache has its own tensors but the target's block ids, so the scheduler's block accounting
+covers both. It catches up lazily: each proposal first computes whatever tokens it has not seen
+(the whole context the first time, then the tokens accepted since its last proposal), then
+decodes k - 1 more steps. Requests that are not speculating cost it nothing.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from common.sampling_params import SamplingParams
+from services.worker.loader import check_model_folder, load_model
+from services.worker.model_config import ModelConfig, ModelLoadError
+from services.worker.sampler import SamplingBatch, filtered_probs
+from services.worker.step_inputs import Chunk, build_step_inputs
+
+
+class Drafter:
+    def __init__(
+        self,
+        folder: str,
+        target: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        zeros,
+    ) -> None:
+        check_model_folder(folder)
+        self.cfg = ModelConfig.from_folder(folder)
+        if self.cfg.vocab_size != target.vocab_size:
+            raise ModelLoadError(
+                f"draft model {folder} has vocab {self.cfg.vocab_size}, the target "
+                f"{target.vocab_size}: they must share a tokenizer"
+            )
+        self.model = load_model(folder, dtype, str(device), max_model_len)
+        self.block_size, self.device = block_size, device
+        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        self.kv_caches = [(zeros(shape), zeros(shape)) for _ in range(self.cfg.num_layers)]
+        self.computed: dict[str, int] = {}  # per request: positions whose draft K/V is valid
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(0)
+
+    def drop(self, req_id: str) -> None:
+        self.computed.pop(req_id, None)
+
+    def propose(
+        self,
+        items: list[tuple[str, list[int], list[int], SamplingParams, int]],
+    ) -> list[tuple[list[int], torch.Tensor | None]]:
+        """items: (req_id, known token ids, block ids, params, k). Returns per item the k draft
+        ids and, for sampled requests, their proposal distributions q [k, V]."""
+        drafts: list[list[int]] = [[] for _ in items]
+        dists: list[list[torch.Tensor]] = [[] for _ in items]
+        params = [_proposal_params(p) for _, _, _, p, _ in items]
+        for step in range(max(k for *_, k in items)):
+            active = [i for i, item in enumerate(items) if len(drafts[i]) < item[4]]
+            chunks = []
+            for i in active:
+                req_id, tokens, blocks, _, _ = items[i]
+                if step == 0:  # catch up on everything not yet seen, ending at the last token
+                    start = min(self.computed.get(req_id, 0), len(tokens) - 1)
+                    chunks.append(Chunk(tokens[start:], start, blocks, 1))
+                else:
+                    chunks.append(Chunk([drafts[i][-1]], len(tokens) + step - 1, blocks, 1))
+            inputs = build_step_inputs(chunks, self.block_size, self.device)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()
+            batch = SamplingBatch.build(
+                [params[i] for i in active],
+                [[]] * len(active),
+                [[]] * len(active),
+                self.cfg.vocab_size,
+                self.device,
+            )
+            chosen = logits.argmax(dim=-1)
+            if not batch.all_greedy:
+                probs = filtered_probs(logits, batch)
+                noise = torch.empty_like(probs).exponential_(generator=self.generator)
+                sampled = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
+                chosen = torch.where(batch.greedy, chosen, sampled)
+            for row, i in enumerate(active):
+                drafts[i].append(int(chosen[row]))
+                if not params[i].greedy:
+                    dists[i].append(probs[row])
+        for (req_id, tokens, _, _, k), _ in zip(items, drafts):
+            # Computed: the context, then d_1 .. d_{k-1} (d_k was proposed, never fed back).
+            self.computed[req_id] = len(tokens) + k - 1
+        return [(d, torch.stack(q) if q else None) for d, q in zip(drafts, dists)]
+
+    def accept(self, req_id: str, num_known_before: int, num_drafts: int, accepted: int) -> None:
+        """After verification only the accepted drafts' K/V stay valid."""
+        self.computed[req_id] = num_known_before + min(accepted, num_drafts - 1)
+
+
+def _proposal_params(params: SamplingParams) -> SamplingParams:
+    """The draft samples with the request's temperature and filters but no penalties or seed:
+    rejection sampling corrects for any proposal distribution, as long as it is the q used."""
+    return msgspec.structs.replace(
+        params,
+        presence_penalty=0.0,
+        frequency_penalty=0.0,
+        repetition_penalty=1.0,
+        seed=None,
+        logprobs=None,
+    )

@@ -1,0 +1,97 @@
+"""Verify draft tokens against the target model (speculative decoding).
+
+Greedy requests accept the longest prefix of drafts equal to the target's argmax, plus the
+target's next token. Sampled requests use rejection sampling (Leviathan et al. 2023, Chen et
+al. 2023): draft d at position j is accepted with probability min(1, p_j(d) / q_j(d)); at the
+first rejection a token is drawn from normalise(max(p_j - q_j, 0)); if every draft passes, a
+bonus token is drawn from p_{k}. So output tokens are distributed exactly as the target's p,
+where p is the target's distribution after penalties, temperature, top-k, top-p and min-p, and q
+is the proposer's (one-hot on d for n-gram proposals).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from services.worker.sampler import (
+    _MASK63,
+    _SEED_MIX,
+    SamplingBatch,
+    apply_penalties,
+    filtered_probs,
+    seeded_generator,
+)
+
+
+@dataclasses.dataclass
+class VerifyGroup:
+    """One request's k + 1 rows of target logits: positions of its last token and k drafts."""
+
+    start: int  # first row in the logits
+    drafts: list[int]
+    draft_probs: torch.Tensor | None  # [k, V] proposer distribution q; None: one-hot (n-gram)
+    greedy: bool
+    seed: int | None
+    output_pos: int  # output tokens before this step (seeds the request's own noise stream)
+
+
+def verify(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    groups: list[VerifyGroup],
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """logits [R, V] (raw), `batch` rows aligned with them. Returns each group's output tokens:
+    the accepted drafts plus one token from the target (1 to k + 1 tokens)."""
+    logits = apply_penalties(logits.float(), batch)
+    argmax = logits.argmax(dim=-1).tolist()
+    probs = None if batch.all_greedy else filtered_probs(logits, batch)
+    out: list[list[int]] = []
+    for g in groups:
+        k = len(g.drafts)
+        if g.greedy:
+            accepted = 0
+            while accepted < k and g.drafts[accepted] == argmax[g.start + accepted]:
+                accepted += 1
+            out.append(g.drafts[:accepted] + [argmax[g.start + accepted]])
+            continue
+        assert probs is not None
+        out.append(_rejection_sample(probs[g.start : g.start + k + 1], g, generator))
+    return out
+
+
+def _rejection_sample(
+    p: torch.Tensor, g: VerifyGroup, generator: torch.Generator | None
+) -> list[int]:
+    k = len(g.drafts)
+    if g.seed is not None:
+        generator = seeded_generator((g.seed * _SEED_MIX + g.output_pos) & _MASK63, p.device)
+    drafts = torch.tensor(g.drafts, device=p.device)
+    rows = torch.arange(k, device=p.device)
+    p_d = p[rows, drafts]
+    q_d = torch.ones_like(p_d) if g.draft_probs is None else g.draft_probs[rows, drafts]
+    u = torch.rand(k, generator=generator, device=p.device)
+    passed = (u * q_d < p_d).tolist()  # u < p/q, without dividing by q = 0
+    accepted = passed.index(False) if False in passed else k
+    if accepted < k:
+        q = (
+            g.draft_probs[accepted]
+            if g.draft_probs is not None
+            else _one_hot(g.drafts[accepted], p)
+        )
+        residual = (p[accepted] - q).clamp_min_(0.0)
+        if residual.sum() <= 0:  # p <= q everywhere: rejection had probability 0; be safe
+            residual = p[accepted]
+    else:
+        residual = p[k]  # every draft passed: the bonus token comes from the target
+    noise = torch.empty_like(residual).exponential_(generator=generator).clamp_min_(1e-30)
+    token = int((residual / noise).argmax())
+    return g.drafts[:accepted] + [token]
+
+
+def _one_hot(token: int, like: torch.Tensor) -> torch.Tensor:
+    q = torch.zeros_like(like[0])
+    q[token] = 1.0
+    return q
