@@ -12,14 +12,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_ops
-from kernels.paged_attention import (
+from kernels.dispatch import (  # triton on CUDA, the torch references elsewhere
+    add_rms_norm,
+    apply_rotary,
     causal_attention,
     paged_decode_attention,
     paged_prefill_attention,
+    rms_norm,
     store_kv,
 )
-from kernels.rms_norm import add_rms_norm, rms_norm
-from kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+from kernels.rotary import rope_cos_sin, rope_inv_freq
 from services.worker.attention_metadata import AttentionMetadata
 from services.worker.model_config import ModelConfig
 

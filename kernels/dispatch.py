@@ -1,0 +1,232 @@
+"""Kernel selection: triton on CUDA, the torch references everywhere else.
+
+Every function here has the signature of its torch reference (`paged_attention.py`,
+`rms_norm.py`, `rotary.py`) and picks, per call:
+- the torch reference when `STOKER_FORCE_TORCH_KERNELS=1` is set (read at call time);
+- triton when the deciding tensor is on CUDA, has a dtype the kernels take (float16, bfloat16,
+  float32) and triton imports;
+- the torch reference otherwise (CPU, or no triton installed). Triton is never used on CPU
+  unless `force_backend("triton")` says so: tests do that under `TRITON_INTERPRET=1`, which must
+  be set before triton is first imported.
+
+Triton is imported lazily, on the first call that could use it, so CPU-only installs without
+triton import this module (and the whole package) fine.
+
+Extra entry points with no reference twin: `paged_attention_varlen` (many prefill / verify /
+decode requests in one launch) and `apply_rotary_by_position` (cos/sin gathered in the kernel);
+their torch fallbacks are built from the references.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+
+from kernels import paged_attention as _ref_attn
+from kernels import rms_norm as _ref_norm
+from kernels import rotary as _ref_rope
+
+log = logging.getLogger("stoker.kernels")
+FORCE_TORCH_ENV = "STOKER_FORCE_TORCH_KERNELS"
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_forced: str | None = None  # None: automatic; "triton" or "torch": forced
+
+
+@functools.cache
+def _triton_modules() -> tuple[ModuleType, ModuleType] | None:
+    try:
+        from kernels import triton_attention, triton_norm_rope
+    except ImportError as e:  # triton not installed (CPU-only install): references only
+        log.info("triton kernels unavailable, using torch references: %s", e)
+        return None
+    return triton_attention, triton_norm_rope
+
+
+def triton_available() -> bool:
+    """Whether triton and the triton kernel modules import (imports them on first call)."""
+    return _triton_modules() is not None
+
+
+@contextlib.contextmanager
+def force_backend(backend: str | None) -> Iterator[None]:
+    """Force "triton" or "torch" for every dispatched call in the block (None: automatic).
+    Forcing triton raises if triton is not installed; it overrides STOKER_FORCE_TORCH_KERNELS
+    and the device check, so CPU tensors go to triton (only workable under TRITON_INTERPRET=1)."""
+    global _forced
+    if backend not in (None, "triton", "torch"):
+        raise ValueError(f"backend must be 'triton', 'torch' or None, not {backend!r}")
+    if backend == "triton" and not triton_available():
+        raise RuntimeError("triton is not installed")
+    previous, _forced = _forced, backend
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def force_triton() -> contextlib.AbstractContextManager[None]:
+    return force_backend("triton")
+
+
+def _use_triton(x: torch.Tensor, *same_dtype: torch.Tensor) -> bool:
+    if _forced is not None:
+        return _forced == "triton"
+    if os.environ.get(FORCE_TORCH_ENV, "0") not in ("", "0"):
+        return False
+    if not x.is_cuda or x.dtype not in _TRITON_DTYPES:
+        return False
+    if any(t.dtype != x.dtype for t in same_dtype):
+        return False
+    return triton_available()
+
+
+def backend_for(x: torch.Tensor) -> str:
+    """ "triton" or "torch": what a dispatched call deciding on `x` would run (for logs/tests)."""
+    return "triton" if _use_triton(x) else "torch"
+
+
+def _attn() -> ModuleType:
+    modules = _triton_modules()
+    assert modules is not None
+    return modules[0]
+
+
+def _norm_rope() -> ModuleType:
+    modules = _triton_modules()
+    assert modules is not None
+    return modules[1]
+
+
+# -- attention -----------------------------------------------------------------------------------
+
+
+def store_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if _use_triton(key_cache):
+        return _attn().store_kv(key_cache, value_cache, key, value, slot_mapping)
+    return _ref_attn.store_kv(key_cache, value_cache, key, value, slot_mapping)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    args = (query, key_cache, value_cache, block_tables, context_lens, scale)
+    if _use_triton(query, key_cache, value_cache):
+        return _attn().paged_decode_attention(*args)
+    return _ref_attn.paged_decode_attention(*args)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+) -> torch.Tensor:
+    args = (query, key_cache, value_cache, block_table, context_len, scale)
+    if _use_triton(query, key_cache, value_cache):
+        return _attn().paged_prefill_attention(*args)
+    return _ref_attn.paged_prefill_attention(*args)
+
+
+def causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    if _use_triton(query, key, value):
+        return _attn().causal_attention(query, key, value, scale)
+    return _ref_attn.causal_attention(query, key, value, scale)
+
+
+def paged_attention_varlen(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Requests r = 0..R-1 in one call: query rows [cu_seqlens_q[r], cu_seqlens_q[r + 1]) are the
+    last positions of a context of context_lens[r] tokens in block_tables[r] (bottom-right
+    causal; already stored). Serves prefill chunks, speculative verify (k + 1 rows per request)
+    and decode (1 row). max_query_len: a host int >= every request's query count."""
+    if _use_triton(query, key_cache, value_cache):
+        return _attn().paged_attention_varlen(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            cu_seqlens_q,
+            context_lens,
+            max_query_len,
+            scale,
+        )
+    out = torch.empty_like(query)
+    bounds, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for r, context_len in enumerate(lens):
+        rows = slice(bounds[r], bounds[r + 1])
+        if rows.stop > rows.start:
+            out[rows] = _ref_attn.paged_prefill_attention(
+                query[rows], key_cache, value_cache, block_tables[r], context_len, scale
+            )
+    return out
+
+
+# -- norms and rotary ----------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _use_triton(x):
+        return _norm_rope().rms_norm(x, weight, eps)
+    return _ref_norm.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_triton(x):
+        return _norm_rope().add_rms_norm(x, residual, weight, eps)
+    return _ref_norm.add_rms_norm(x, residual, weight, eps)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_triton(q, k):
+        return _norm_rope().apply_rotary(q, k, cos, sin)
+    return _ref_rope.apply_rotary(q, k, cos, sin)
+
+
+def apply_rotary_by_position(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary(q, k, cos_table[positions], sin_table[positions]); triton gathers the rows
+    in the kernel from the float32 tables, the fallback casts them to q's dtype as the model
+    does today."""
+    if _use_triton(q, k):
+        return _norm_rope().apply_rotary_by_position(q, k, cos_table, sin_table, positions)
+    cos = cos_table[positions].to(q.dtype)
+    sin = sin_table[positions].to(q.dtype)
+    return _ref_rope.apply_rotary(q, k, cos, sin)
