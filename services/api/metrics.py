@@ -21,7 +21,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from common.messages import SchedulerStats
+from common.messages import SchedulerStats, SpecStats
 from common.telemetry import STEP_BUCKETS, STEP_METRICS, StepTelemetry
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
@@ -70,6 +70,36 @@ class _EngineCollector(Collector):
             per_tokenizer.add_metric([tok_id], float(n))
         yield per_tokenizer
         yield from _step_metrics(s.telemetry if s else None)
+        yield from _spec_metrics(s.spec if s else None)
+
+
+def _spec_metrics(spec: SpecStats | None) -> Iterator[Metric]:
+    """Speculative decoding counters (vLLM's names, stoker: prefix); absent when it is off."""
+    if spec is None:
+        return
+    counters = {
+        "num_drafts": ("Verify steps run for a request.", spec.drafts),
+        "num_draft_tokens": ("Draft tokens proposed.", spec.draft_tokens),
+        "num_accepted_tokens": ("Draft tokens accepted.", spec.accepted_tokens),
+        "disabled_steps": ("Steps where adaptive speculation was off (batch too large).",
+                           spec.disabled_steps),
+    }  # fmt: skip
+    for name, (doc, value) in counters.items():
+        yield CounterMetricFamily(f"stoker:spec_decode_{name}", doc, value=float(value))
+    per_pos = CounterMetricFamily(
+        "stoker:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted draft tokens by position in the draft.",
+        labels=["position"],
+    )
+    for position, count in enumerate(spec.accepted_per_position):
+        per_pos.add_metric([str(position)], float(count))
+    yield per_pos
+    mean = (spec.accepted_tokens + spec.drafts) / spec.drafts if spec.drafts else 0.0
+    yield GaugeMetricFamily(
+        "stoker:spec_decode_mean_acceptance_length",
+        "Tokens produced per verify step (accepted drafts + 1), since start.",
+        value=mean,
+    )
 
 
 def _step_metrics(telemetry: StepTelemetry | None) -> Iterator[Metric]:

@@ -113,3 +113,48 @@ def test_null_model_runs_the_whole_pipeline_and_exports_step_telemetry(model, tm
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--no-overlap"], ["--speculative", "ngram"], ["--speculative", "ngram", "--no-overlap"]],
+    ids=["no-overlap", "ngram", "ngram-no-overlap"],
+)
+def test_greedy_outputs_identical_across_overlap_and_speculation(model, tmp_path, flags):
+    """The default server (overlap on, no speculation) is the reference; every other mode must
+    produce the same greedy tokens. Speculation must also show up in /metrics."""
+    import urllib.request
+
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11], list(range(20, 50))]
+    outputs = {}
+    for mode, extra in (("default", []), ("variant", flags)):
+        port = free_port()
+        cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model)]
+        cmd += ["--port", str(port), "--run-dir", str(tmp_path / mode), *extra]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}/health", procs=[proc])
+            body = {"model": model.name, "prompt": None, "max_tokens": 24, "temperature": 0}
+            outs = []
+            for prompt in prompts:
+                body["prompt"] = prompt
+                out = post_json(
+                    f"http://127.0.0.1:{port}/v1/completions", json.dumps(body).encode()
+                )
+                outs.append(out["choices"][0]["text"])
+            outputs[mode] = outs
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as resp:
+                metrics = resp.read().decode()
+            if "ngram" in flags and mode == "variant":
+                values = {
+                    line.split()[0]: float(line.split()[1])
+                    for line in metrics.splitlines()
+                    if line.startswith("stoker:spec_decode_num_")
+                }
+                assert values["stoker:spec_decode_num_drafts_total"] > 0
+                accepted = values["stoker:spec_decode_num_accepted_tokens_total"]
+                assert 0 <= accepted <= values["stoker:spec_decode_num_draft_tokens_total"]
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+    assert outputs["variant"] == outputs["default"]
