@@ -18,6 +18,8 @@ import torch
 from common.config import EngineConfig
 from common.messages import StepPlan, StepResult, TokenLogprobs
 from common.sampling_params import SamplingParams
+from kernels import cpu_ops
+from services.worker.cpu_tuning import keep_freed_memory
 from services.worker.drafter import Drafter
 from services.worker.loader import check_model_folder, load_model, resolve_dtype
 from services.worker.model_config import ModelConfig
@@ -70,6 +72,9 @@ class ModelRunner:
         self.max_model_len = resolve_max_model_len(config, self.model_cfg)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            keep_freed_memory()
+            cpu_ops.load()  # build or load the native kernels now, not in the first step
         self.model = None
         if not config.null_model:
             self.model = load_model(folder, self.dtype, config.device, self.max_model_len)
