@@ -90,7 +90,9 @@ def train(
     state = state or LoopState()
     budget_s = cfg.minutes * 60.0 if cfg.minutes else math.inf
     model.train()
-    bar = tqdm(total=cfg.steps, initial=state.step, desc=desc, unit="step", dynamic_ncols=True)
+    by_time = cfg.minutes is not None  # the bar then counts seconds of the budget
+    total, unit = (int(budget_s), "s") if by_time else (cfg.steps, "step")
+    bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True)
     start, last_ckpt = time.perf_counter() - state.elapsed_s, time.perf_counter()
     while state.step < cfg.steps and state.elapsed_s < budget_s:
         progress = max(state.step / cfg.steps, state.elapsed_s / budget_s)
@@ -109,8 +111,8 @@ def train(
         state.loss_ema = value if ema is None else 0.98 * ema + 0.02 * value
         state.step += 1
         state.elapsed_s = time.perf_counter() - start
-        bar.update(1)
-        bar.set_postfix(loss=f"{state.loss_ema:.3f}", lr=f"{lr:.2e}", refresh=False)
+        bar.update(min(total, int(state.elapsed_s) if by_time else state.step) - bar.n)
+        bar.set_postfix(step=state.step, loss=f"{state.loss_ema:.3f}", lr=f"{lr:.1e}")
         if checkpoint and time.perf_counter() - last_ckpt > checkpoint_every_s:
             checkpoint(state)
             last_ckpt = time.perf_counter()

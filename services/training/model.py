@@ -79,6 +79,13 @@ def dtype_of(config: PretrainedConfig) -> torch.dtype:
     return d if d in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
+def round_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Round the parameters to `dtype` (kept in float32): evaluate exactly what is shipped."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(dtype).float())
+
+
 def save_model(
     config: LlamaConfig, state_dict: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype
 ) -> None:
