@@ -53,7 +53,7 @@ def _local(value: str, api_port: int) -> str:
     not (REPO / "models" / "stoker-tiny" / "config.json").exists(),
     reason="the bundled model is not built",
 )
-def test_services_run_as_local_processes(tmp_path):
+def test_services_run_as_local_processes():
     api_port = free_port()
     procs = []
     order = ["worker", "scheduler", "tokenizer", "tokenizer", "api"]  # tokenizer scaled to 2
@@ -65,7 +65,7 @@ def test_services_run_as_local_processes(tmp_path):
             cmd = [_local(str(a), api_port) for a in svc["command"]]
             assert cmd[0] == "stoker"
             cmd = [sys.executable, "-m", "services.cli", *cmd[1:]]
-            procs.append(subprocess.Popen(cmd, env=env, cwd=tmp_path))
+            procs.append(subprocess.Popen(cmd, env=env, cwd=REPO))
         wait_healthy(f"http://127.0.0.1:{api_port}/health", procs=procs)
         body = json.dumps({"model": "stoker-tiny", "prompt": "ROMEO:", "max_tokens": 8})
         out = post_json(f"http://127.0.0.1:{api_port}/v1/completions", body.encode())
