@@ -108,7 +108,10 @@ class Scheduler:
         preempted = False
         now = time.monotonic()
 
-        speculate = self.spec is not None and self.spec.enabled_for_step(len(self.running))
+        speculate = False
+        if self.spec is not None:
+            decoding = sum(1 for r in self.running if r.num_output_tokens > 0)
+            speculate = self.spec.enabled_for_step(decoding)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]

@@ -3,16 +3,14 @@ draft tokens each request gets, n-gram proposals, and the acceptance counters.
 
 Adaptive policy (docs/speculation.md):
 - k per request follows an exponential moving average of its accepted drafts per verify:
-  k = clamp(ceil(ema) + 1, 1, K). A request whose drafts keep failing drops to k = 1; one whose
-  drafts all pass climbs back to K.
+  k = clamp(round(ema) + 1, 1, K). A request whose drafts keep failing drops to k = 1; a verify
+  that accepts every draft lifts the average to k, so the next one gets k + 1, back up to K.
 - A step with more decoding requests than `max_batch` does not speculate: at that size the
   forward is no longer dominated by fixed per-step cost, so verifying k extra positions per
   request costs about as much as the tokens it would save.
 """
 
 from __future__ import annotations
-
-import math
 
 from common.config import EngineConfig
 from common.messages import SpecStats
@@ -91,7 +89,7 @@ class SpecPolicy:
     def num_drafts(self, request: Request) -> int:
         if not self.adaptive or request.spec_ema is None:
             return self.max_k
-        return max(1, min(self.max_k, math.ceil(request.spec_ema) + 1))
+        return max(1, min(self.max_k, int(request.spec_ema + 0.5) + 1))
 
     def propose(self, request: Request, k: int) -> list[int] | int:
         """n-gram: the draft ids (possibly fewer than k, or none). draft model: k."""
@@ -109,4 +107,6 @@ class SpecPolicy:
         for j in range(num_accepted):
             s.accepted_per_position[j] += 1
         previous = self.max_k if request.spec_ema is None else request.spec_ema
-        request.spec_ema = EMA_WEIGHT * num_accepted + (1 - EMA_WEIGHT) * previous
+        ema = EMA_WEIGHT * num_accepted + (1 - EMA_WEIGHT) * previous
+        # All accepted: the request could have taken more, so offer one more next time.
+        request.spec_ema = max(ema, num_drafts) if num_accepted == num_drafts else ema

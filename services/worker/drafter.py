@@ -14,8 +14,16 @@ import torch
 from common.sampling_params import SamplingParams
 from services.worker.loader import check_model_folder, load_model
 from services.worker.model_config import ModelConfig, ModelLoadError
-from services.worker.sampler import SamplingBatch, filtered_probs
+from services.worker.sampler import (
+    _MASK63,
+    _SEED_MIX,
+    SamplingBatch,
+    filtered_probs,
+    seeded_generator,
+)
 from services.worker.step_inputs import Chunk, build_step_inputs
+
+_DRAFT_SALT = 0x5EED_D4AF  # keeps draft noise apart from the target sampler's (seed, position)
 
 
 class Drafter:
@@ -29,6 +37,7 @@ class Drafter:
         device: torch.device,
         max_model_len: int,
         zeros,
+        seed: int = 0,
     ) -> None:
         check_model_folder(folder)
         self.cfg = ModelConfig.from_folder(folder)
@@ -42,8 +51,10 @@ class Drafter:
         shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         self.kv_caches = [(zeros(shape), zeros(shape)) for _ in range(self.cfg.num_layers)]
         self.computed: dict[str, int] = {}  # per request: positions whose draft K/V is valid
+        # Its own stream, distinct from the target sampler's: proposals drawn with the same noise
+        # as the token before them would be correlated with it.
         self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(0)
+        self.generator.manual_seed((seed * _SEED_MIX + _DRAFT_SALT) & _MASK63)
 
     def drop(self, req_id: str) -> None:
         self.computed.pop(req_id, None)
@@ -81,6 +92,15 @@ class Drafter:
             if not batch.all_greedy:
                 probs = filtered_probs(logits, batch)
                 noise = torch.empty_like(probs).exponential_(generator=self.generator)
+                for row, i in enumerate(active):
+                    seed = items[i][3].seed
+                    if seed is not None and not params[i].greedy:
+                        # Seeded requests replay: noise from (seed, position), its own stream.
+                        position = len(items[i][1]) + step
+                        gen = seeded_generator(
+                            ((seed * _SEED_MIX + position) ^ _DRAFT_SALT) & _MASK63, self.device
+                        )
+                        noise[row].exponential_(generator=gen)
                 sampled = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
                 chosen = torch.where(batch.greedy, chosen, sampled)
             for row, i in enumerate(active):

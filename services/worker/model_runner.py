@@ -106,6 +106,7 @@ class ModelRunner:
                 self.device,
                 self.max_model_len,
                 self._zeros,
+                seed=config.seed,
             )
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
