@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from services.worker.model_config import ModelConfig, ModelLoadError
-from services.worker.models.llama import LlamaForCausalLM
+from services.worker.models.llama import LlamaForCausalLM, pack_linear_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -110,4 +111,16 @@ def load_model(
 
     model.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, assign=True)
     model.init_rope(max_positions, device)
+    if use_onednn(device, dtype):
+        pack_linear_weights(model)
     return model.eval()
+
+
+def use_onednn(device: str, dtype: torch.dtype) -> bool:
+    """oneDNN linears on CPU in float32, unless STOKER_CPU_ONEDNN=0."""
+    return (
+        torch.device(device).type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and os.environ.get("STOKER_CPU_ONEDNN", "1") != "0"
+    )

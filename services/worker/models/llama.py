@@ -30,6 +30,29 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or oneDNN's for weights packed by `pack_linear_weights` (CPU, float32)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+LINEAR_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def pack_linear_weights(model: LlamaForCausalLM) -> None:
+    """Re-lay the linear weights out for oneDNN. On CPU in float32 its kernels run 2-3x faster
+    than F.linear's (measured on this project's 2-core box: 359 vs 118 GFLOPS at 64 rows). The
+    result equals F.linear's to float32 rounding (a different summation order)."""
+    for layer in model.layers:
+        for name in LINEAR_WEIGHTS:
+            weight = getattr(layer, name)
+            del layer._parameters[name]
+            setattr(layer, name, weight.detach().to_mkldnn())
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    model.packed_lm_head = head.detach().to_mkldnn()
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -63,7 +86,7 @@ class DecoderLayer(nn.Module):
             hidden = rms_norm(hidden, self.input_norm, eps)
         else:
             hidden, residual = add_rms_norm(hidden, residual, self.input_norm, eps)
-        qkv = F.linear(hidden, self.qkv_proj, self.qkv_bias)
+        qkv = linear(hidden, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = hidden.shape[0]
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -74,10 +97,10 @@ class DecoderLayer(nn.Module):
             k = rms_norm(k, self.k_norm, eps)
         q, k = apply_rotary(q, k, cos, sin)
         attn = self._attention(q, k, v, kv_cache, meta)
-        hidden = F.linear(attn.view(num_tokens, self.q_size), self.o_proj)
+        hidden = linear(attn.view(num_tokens, self.q_size), self.o_proj)
         hidden, residual = add_rms_norm(hidden, residual, self.post_attn_norm, eps)
-        gate, up = F.linear(hidden, self.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj), residual
+        gate, up = linear(hidden, self.gate_up_proj).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj), residual
 
     def _attention(
         self,
@@ -122,6 +145,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = _param(cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.rope_cos = self.rope_sin = torch.empty(0)
+        self.packed_lm_head: torch.Tensor | None = None
 
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:
         """cos/sin tables, float32, built on the host (outside any meta-device context)."""
@@ -148,5 +172,7 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_lm_head is not None:
+            return linear(hidden, self.packed_lm_head)
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(hidden, weight)
