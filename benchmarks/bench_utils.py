@@ -35,7 +35,20 @@ def bench_model(name: str = "llama-d768-l12", **overrides) -> Path:
     path = BENCH_DIR / name
     if not (path / "config.json").is_file():
         make_model(path, "llama", **{**BENCH_LLAMA, **overrides}, seed=0)
+    _cover_vocab(path)
     return path
+
+
+def _cover_vocab(path: Path) -> None:
+    """The test tokenizer has 512 tokens; the model samples ids up to 32000. Give every id a
+    text (plain added tokens) so streamed outputs are never empty and TTFT/ITL mean something."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    if len(tok) < vocab:
+        tok.add_tokens([f" w{i}" for i in range(len(tok), vocab)])
+        tok.save_pretrained(path)
 
 
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
