@@ -122,14 +122,17 @@ def main() -> None:
     me = [sys.executable, __file__, "--prompts-json", str(prompts_path)]
     me += ["--max-tokens", str(a.max_tokens)]
     results = {"stoker": _subprocess(me + ["--engine", "stoker", "--options", a.options])}
+    print("stoker", {k: v for k, v in results["stoker"].items() if k != "token_ids"}, flush=True)
     if not a.skip_hf:
         results["hf"] = _subprocess(me + ["--engine", "hf"])
+        print("hf", {k: v for k, v in results["hf"].items() if k != "token_ids"}, flush=True)
     if not a.skip_vllm and (PEER_VENV / "bin" / "python").exists():
         out_json = Path(model) / "vllm_out.json"
-        _subprocess(
+        subprocess.run(
             [str(PEER / "run.sh"), "python", str(PEER / "offline.py"), model,
              "--prompts-json", str(prompts_path), "--max-tokens", str(a.max_tokens),
-             "--json", str(out_json)]
+             "--json", str(out_json)],
+            check=True, capture_output=True, cwd=REPO,
         )  # fmt: skip
         results["vllm"] = json.loads(out_json.read_text())
 

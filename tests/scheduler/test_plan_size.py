@@ -1,0 +1,43 @@
+"""Hot-path hygiene: a step plan is a diff, so its size at batch 256 does not grow with context."""
+
+from __future__ import annotations
+
+from common.ipc import encoder
+from common.messages import StepResult
+from common.sampling_params import SamplingParams
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
+
+BATCH = 256
+
+
+def _steady_plan_bytes(prompt_len: int) -> int:
+    blocks = BlockManager(num_blocks=BATCH * (prompt_len // 16 + 8), block_size=16)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=BATCH, max_num_batched_tokens=1 << 20, max_model_len=8192),
+        blocks,
+    )
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    for i in range(BATCH):
+        prompt = [(i * 7 + j) % 1000 + 3 for j in range(prompt_len)]
+        sched.add_request(Request(f"req-{i}", prompt, params, 64, eos_token_ids=(2,)))
+    sizes = []
+    for _ in range(4):  # prefill, then decode steps
+        plan = sched.schedule()
+        sizes.append(len(encoder.encode(plan)))
+        ids = plan_ids(plan)
+        sched.update(plan, StepResult(plan.step_id, ids, [5] * len(ids)))
+    assert sched.num_running == BATCH
+    return sizes[-1]
+
+
+def plan_ids(plan) -> list[str]:
+    return [n.req_id for n in plan.new_requests] + plan.running.req_ids
+
+
+def test_decode_plan_is_small_and_independent_of_context_length():
+    short = _steady_plan_bytes(100)
+    long = _steady_plan_bytes(2000)
+    assert short == long  # a diff: no token ids or block tables of the whole context
+    assert long < 16 * 1024, f"{long} bytes for {BATCH} decoding requests"
