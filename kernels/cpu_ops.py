@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -27,7 +28,11 @@ def load() -> ModuleType | None:
             try:
                 from torch.utils.cpp_extension import load as build
 
+                # Per environment, so two checkouts or venvs never rebuild over each other.
+                build_dir = Path(sys.prefix) / "stoker-kernels" / f"torch-{torch.__version__}"
+                build_dir.mkdir(parents=True, exist_ok=True)
                 _module = build(
+                    build_directory=str(build_dir),
                     name="stoker_cpu_kernels",
                     sources=[str(_SOURCES / "paged_decode_attention.cpp")],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"],
