@@ -42,14 +42,20 @@ torch::Tensor paged_decode_attention(
       const int64_t L = lens[b];
       scores.assign(G * L, 0.f);
       const float* qh = q + (b * Hq + h * G) * D;
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t block = bt[b * MB + t / BS];
-        const float* k = kc + ((block * BS + t % BS) * Hk + h) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qv = qh + g * D;
-          float dot = 0.f;
-          for (int64_t d = 0; d < D; ++d) dot += qv[d] * k[d];
-          scores[g * L + t] = dot * sc;
+      const int64_t* table = bt + b * MB;
+      // Walk block by block: no division per token, and each block's rows are read in order.
+      for (int64_t t0 = 0; t0 < L; t0 += BS) {
+        const int64_t n = std::min(BS, L - t0);
+        const float* kb = kc + (table[t0 / BS] * BS * Hk + h) * D;
+        for (int64_t i = 0; i < n; ++i) {
+          const float* k = kb + i * Hk * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qv = qh + g * D;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qv[d] * k[d];
+            scores[g * L + t0 + i] = dot * sc;
+          }
         }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -64,13 +70,17 @@ torch::Tensor paged_decode_attention(
         }
         denom[g] = sum;
       }
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t block = bt[b * MB + t / BS];
-        const float* v = vc + ((block * BS + t % BS) * Hk + h) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + t];
-          float* a = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+      for (int64_t t0 = 0; t0 < L; t0 += BS) {
+        const int64_t n = std::min(BS, L - t0);
+        const float* vb = vc + (table[t0 / BS] * BS * Hk + h) * D;
+        for (int64_t i = 0; i < n; ++i) {
+          const float* v = vb + i * Hk * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[g * L + t0 + i];
+            float* a = acc.data() + g * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
