@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import msgspec  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
@@ -157,6 +158,4 @@ class LLM:
 
 
 def _replace(params: SamplingParams, **changes) -> SamplingParams:
-    import msgspec
-
     return msgspec.structs.replace(params, **changes)

@@ -178,7 +178,7 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             logits = self.model.compute_logits(hidden[inputs.sample_rows])
         t2 = time.perf_counter()
-        outputs = self._sample(sampled, logits, inputs, chunks, scheduled)
+        outputs = self._sample(sampled, logits, inputs, chunks)
         for item in scheduled:
             if item.k:
                 continue  # advanced below by what was accepted
@@ -234,7 +234,7 @@ class ModelRunner:
         sample = 1 if end == len(state.token_ids) else 0
         return Chunk(state.token_ids[start:end], start, state.block_ids, sample)
 
-    def _sample(self, sampled, logits, inputs, chunks, scheduled):
+    def _sample(self, sampled, logits, inputs, chunks):
         """Per sampled request: (new tokens, their logprobs or None)."""
         if not sampled:
             return []
@@ -242,17 +242,19 @@ class ModelRunner:
             vocab = self.model_cfg.vocab_size
             return [([(i.state.token_ids[-1] * 7 + 1) % vocab], None) for i in sampled]
         ranges = [r for r, c in zip(inputs.sample_ranges, chunks) if c.num_sampled]
+        # Token lists are only read for penalties; otherwise the sampler needs just each row's
+        # output length (it seeds the noise), so skip copying every context every step.
+        with_ids = any(item.state.params.uses_penalties for item in sampled)
         params, prompts, outputs, groups = [], [], [], []
         for item, (first, last) in zip(sampled, ranges):
             state = item.state
-            prompt, output = (
-                state.token_ids[: state.prompt_len],
-                state.token_ids[state.prompt_len :],
-            )
+            num_output = len(state.token_ids) - state.prompt_len
+            prompt = state.token_ids[: state.prompt_len] if with_ids else ()
+            output = state.token_ids[state.prompt_len :] if with_ids else ()
             for j in range(last - first):  # verify rows see the drafts before them as output
                 params.append(state.params)
                 prompts.append(prompt)
-                outputs.append(output + item.drafts[:j])
+                outputs.append(output + item.drafts[:j] if with_ids else range(num_output + j))
             if item.k:
                 groups.append(
                     VerifyGroup(
@@ -261,7 +263,7 @@ class ModelRunner:
                         item.draft_probs,
                         state.params.greedy,
                         state.params.seed,
-                        len(output),
+                        num_output,
                     )
                 )
         batch = SamplingBatch.build(
