@@ -56,7 +56,8 @@ def paged_decode_attention(
     if query.device.type != "cpu" or query.dtype != torch.float32:
         return None
     module = load()
-    if module is None:
+    heads, kv_heads, head_dim = query.shape[1], key_cache.shape[2], query.shape[2]
+    if module is None or heads % kv_heads or not module.supports(head_dim, heads // kv_heads):
         return None
     return module.paged_decode_attention(
         query, key_cache, value_cache, block_tables, context_lens, scale

@@ -2,21 +2,201 @@
 // in place through the block table. The torch reference gathers every request's context into a
 // padded copy first (one extra write and read of the whole KV context per layer per step); at
 // batch 64 that copy costs more than the attention itself, so this kernel exists.
+//
+// One task per (request, kv head). The G query heads of a GQA group share every K/V row read;
+// head_dim and G are template parameters so accumulators stay in registers. Context is walked 16
+// tokens at a time with an online softmax: 16 dot products reduced together by a butterfly, one
+// vectorised exp, then the V rows of the same 16 tokens, with the next 16 rows prefetched. The
+// vector code uses GCC/Clang vector extensions (16 floats), which lower to AVX-512, AVX2 or SSE.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
-#include <vector>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+inline v16 load(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// Sixteen dot-product partials -> one vector of their sums. a[j] must hold the partials of
+// token bitrev4(j); the butterfly then leaves token i's sum in lane i. 30 shuffles and 15 adds
+// replace 16 separate horizontal reductions.
+inline v16 reduce16(const v16* a) {
+  v16 b[8], c[4], d[2];
+  for (int m = 0; m < 8; ++m)
+    b[m] = __builtin_shufflevector(a[2 * m], a[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * m], a[2 * m + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int m = 0; m < 4; ++m)
+    c[m] = __builtin_shufflevector(b[2 * m], b[2 * m + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10,
+                                   11, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * m], b[2 * m + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14,
+                                   15, 28, 29, 30, 31);
+  for (int m = 0; m < 2; ++m)
+    d[m] = __builtin_shufflevector(c[2 * m], c[2 * m + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24,
+                                   25, 12, 13, 28, 29) +
+           __builtin_shufflevector(c[2 * m], c[2 * m + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26,
+                                   27, 14, 15, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
+                                 14, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
+                                 15, 31);
+}
+
+constexpr int kBitrev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+
+// exp on 16 lanes for softmax inputs (x <= 0): exp(x) = 2^k * p(r), k = round(x / ln 2),
+// r = x - k ln 2 (split in two constants), p a degree-6 polynomial (Cephes expf). ~2 ulp, and
+// vectorised, where std::exp is a scalar libm call per score.
+inline v16 vexp(v16 x) {
+  const v16 lo = x * 0.f - 87.f;
+  x = x < lo ? lo : x;
+  // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer in float arithmetic.
+  const v16 k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const v16 r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+  v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const i16 bits = (__builtin_convertvector(k, i16) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float hmax(v16 v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float hsum(v16 v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// One (request, kv head), 16 context tokens at a time with an online softmax: the G query heads
+// of the group share every K/V row read, scores and accumulators stay in registers, and each
+// chunk's K and V rows are read back to back.
+template <int D, int G>
+void attend(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t L,
+            int64_t BS, int64_t row, float sc, float* out) {
+  constexpr int C = D / 16;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  v16 qs[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qs[g][c] = load(q + g * D + 16 * c) * sc;
+  v16 acc[G][C] = {};
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) m[g] = neg_inf, l[g] = 0.f;
+  int64_t block = 0, offset = 0;  // position of token t0 in the block table
+  for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
+    int64_t slots[16];
+    for (int i = 0; i < n; ++i) {
+      slots[i] = (table[block] * BS + offset) * row;
+      if (++offset == BS) offset = 0, ++block;
+    }
+    // The next chunk's rows: blocks sit anywhere in the pool, so the hardware prefetcher
+    // cannot guess them.
+    {
+      int64_t nb = block, no = offset;
+      const int nn = static_cast<int>(std::min<int64_t>(16, L - t0 - n));
+      for (int i = 0; i < nn; ++i) {
+        const int64_t slot = (table[nb] * BS + no) * row;
+        for (int c = 0; c < D; c += 16) {
+          __builtin_prefetch(kc + slot + c);
+          __builtin_prefetch(vc + slot + c);
+        }
+        if (++no == BS) no = 0, ++nb;
+      }
+    }
+    float p[G][16];
+    for (int g = 0; g < G; ++g) {
+      v16 part[16];
+      for (int i = 0; i < 16; ++i) {
+        v16 a = {};
+        if (i < n) {
+          const float* k = kc + slots[i];
+          for (int c = 0; c < C; ++c) a += qs[g][c] * load(k + 16 * c);
+        }
+        part[kBitrev4[i]] = a;
+      }
+      v16 s = reduce16(part);
+      for (int i = n; i < 16; ++i) s[i] = neg_inf;
+      const float m_new = std::max(m[g], hmax(s));
+      const float alpha = std::exp(m[g] - m_new);  // 0 on the first chunk
+      v16 e = vexp(s - m_new);
+      for (int i = n; i < 16; ++i) e[i] = 0.f;
+      l[g] = l[g] * alpha + hsum(e);
+      m[g] = m_new;
+      for (int c = 0; c < C; ++c) acc[g][c] *= alpha;
+      store(p[g], e);
+    }
+    for (int i = 0; i < n; ++i) {
+      const float* v = vc + slots[i];
+      v16 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load(v + 16 * c);
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) acc[g][c] += p[g][i] * vv[c];
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) store(out + g * D + 16 * c, acc[g][c] * (1.f / l[g]));
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
+                          int64_t, int64_t, float, float*);
+
+template <int D>
+AttendFn pick_g(int64_t G) {
+  switch (G) {
+    case 1: return attend<D, 1>;
+    case 2: return attend<D, 2>;
+    case 3: return attend<D, 3>;
+    case 4: return attend<D, 4>;
+    case 5: return attend<D, 5>;
+    case 6: return attend<D, 6>;
+    case 7: return attend<D, 7>;
+    case 8: return attend<D, 8>;
+    default: return nullptr;
+  }
+}
+
+AttendFn pick(int64_t D, int64_t G) {
+  switch (D) {
+    case 16: return pick_g<16>(G);
+    case 32: return pick_g<32>(G);
+    case 64: return pick_g<64>(G);
+    case 128: return pick_g<128>(G);
+    case 256: return pick_g<256>(G);
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+bool supports(int64_t head_dim, int64_t group) { return pick(head_dim, group) != nullptr; }
 
 torch::Tensor paged_decode_attention(
-    torch::Tensor query,         // [B, Hq, D]
-    torch::Tensor key_cache,     // [num_blocks, block_size, Hk, D]
-    torch::Tensor value_cache,   // [num_blocks, block_size, Hk, D]
-    torch::Tensor block_tables,  // [B, max_blocks] int64
-    torch::Tensor context_lens,  // [B] int64
-    double scale) {
+    torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+    torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
   TORCH_CHECK(query.scalar_type() == torch::kFloat32, "float32 only");
   query = query.contiguous();
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cache must be contiguous");
@@ -26,6 +206,9 @@ torch::Tensor paged_decode_attention(
   const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), Hk = key_cache.size(2);
   const int64_t G = Hq / Hk, MB = block_tables.size(1);
+  TORCH_CHECK(Hq % Hk == 0, "query heads must be a multiple of kv heads");
+  AttendFn fn = pick(D, G);
+  TORCH_CHECK(fn != nullptr, "unsupported head_dim ", D, " or group size ", G);
   const float* q = query.data_ptr<float>();
   const float* kc = key_cache.data_ptr<float>();
   const float* vc = value_cache.data_ptr<float>();
@@ -35,64 +218,16 @@ torch::Tensor paged_decode_attention(
   const float sc = static_cast<float>(scale);
 
   at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(G * D);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / Hk, h = idx % Hk;
-      const int64_t L = lens[b];
-      scores.assign(G * L, 0.f);
-      const float* qh = q + (b * Hq + h * G) * D;
-      const int64_t* table = bt + b * MB;
-      // Walk block by block: no division per token, and each block's rows are read in order.
-      for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const int64_t n = std::min(BS, L - t0);
-        const float* kb = kc + (table[t0 / BS] * BS * Hk + h) * D;
-        for (int64_t i = 0; i < n; ++i) {
-          const float* k = kb + i * Hk * D;
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qv = qh + g * D;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < D; ++d) dot += qv[d] * k[d];
-            scores[g * L + t0 + i] = dot * sc;
-          }
-        }
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::vector<float> denom(G, 0.f);
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * L;
-        const float mx = *std::max_element(s, s + L);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
-          s[t] = std::exp(s[t] - mx);
-          sum += s[t];
-        }
-        denom[g] = sum;
-      }
-      for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const int64_t n = std::min(BS, L - t0);
-        const float* vb = vc + (table[t0 / BS] * BS * Hk + h) * D;
-        for (int64_t i = 0; i < n; ++i) {
-          const float* v = vb + i * Hk * D;
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[g * L + t0 + i];
-            float* a = acc.data() + g * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
-          }
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* dst = o + (b * Hq + h * G + g) * D;
-        const float inv = 1.f / denom[g];
-        for (int64_t d = 0; d < D; ++d) dst[d] = acc[g * D + d] * inv;
-      }
+      fn(q + (b * Hq + h * G) * D, kc + h * D, vc + h * D, bt + b * MB, lens[b], BS, Hk * D, sc,
+         o + (b * Hq + h * G) * D);
     }
   });
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("supports", &supports, "whether a head_dim / query-per-kv-head group has a kernel");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32)");
 }

@@ -95,15 +95,28 @@ def test_store_kv_writes_exactly_the_slots():
 
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
-@pytest.mark.parametrize("hq, hk, d", [(12, 4, 64), (8, 8, 32), (16, 2, 128)])
-def test_native_decode_matches_reference(hq, hk, d):
-    lens = [1, 5, 16, 33, 100]
-    kc, vc, tables = _paged_setup(len(lens), hq, hk, d, 16, lens, seed=3)
-    q = torch.randn(len(lens), hq, d)
+@pytest.mark.parametrize(
+    "hq, hk, d, block_size",
+    [(12, 4, 64, 16), (8, 8, 32, 16), (16, 2, 128, 32), (4, 2, 16, 8), (8, 1, 256, 16)],
+)
+def test_native_decode_matches_reference(hq, hk, d, block_size):
+    # Context lengths around the kernel's 16-token chunks and the block boundaries.
+    lens = [1, 5, 15, 16, 17, 33, 100, 257]
+    kc, vc, tables = _paged_setup(len(lens), hq, hk, d, block_size, lens, seed=3)
+    q = torch.randn(len(lens), hq, d) * 3  # peaky softmax: the online max rescaling matters
     args = (q, kc, vc, tables, torch.tensor(lens), d**-0.5)
-    torch.testing.assert_close(
-        cpu_ops.paged_decode_attention(*args), paged_decode_attention(*args), rtol=1e-5, atol=1e-5
-    )
+    native = cpu_ops.paged_decode_attention(*args)
+    assert native is not None
+    torch.testing.assert_close(native, paged_decode_attention(*args), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
+@pytest.mark.parametrize("hq, hk, d", [(12, 1, 64), (4, 4, 48)])
+def test_native_decode_declines_shapes_without_a_kernel(hq, hk, d):
+    """Groups over 8 and head dims that are not a multiple of 16 fall back to the reference."""
+    kc, vc, tables = _paged_setup(2, hq, hk, d, 16, [3, 20], seed=1)
+    args = (torch.randn(2, hq, d), kc, vc, tables, torch.tensor([3, 20]), d**-0.5)
+    assert cpu_ops.paged_decode_attention(*args) is None
 
 
 def test_rms_norm_matches_transformers():
