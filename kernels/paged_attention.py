@@ -68,9 +68,14 @@ def paged_prefill_attention(
     q_pos = torch.arange(context_len - num_queries, context_len, device=query.device)
     mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-    )
-    return out.transpose(0, 1)
+        query.transpose(0, 1)[None],
+        keys[None],
+        values[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )  # a batch dim: 3-D inputs with enable_gqa take the slow math path on CPU
+    return out[0].transpose(0, 1)
 
 
 def causal_attention(
@@ -78,11 +83,11 @@ def causal_attention(
 ) -> torch.Tensor:
     """Prefill with no cached prefix: plain causal attention over the chunk's own K/V."""
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1),
-        key.transpose(0, 1),
-        value.transpose(0, 1),
+        query.transpose(0, 1)[None],  # 4-D: 3-D inputs with enable_gqa take the math path on CPU
+        key.transpose(0, 1)[None],
+        value.transpose(0, 1)[None],
         is_causal=True,
         scale=scale,
         enable_gqa=True,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
