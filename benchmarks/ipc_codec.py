@@ -12,7 +12,14 @@ import time
 import msgspec
 from bench_utils import write_result
 
-from common.messages import RequestTokens, RunningRequestData, StepPlan, StepResult, TokenBatch
+from common.messages import (
+    RequestTokens,
+    RunningRequestData,
+    StepPlan,
+    StepResult,
+    TokenBatch,
+    pack_ids,
+)
 
 BATCH = 256
 
@@ -27,8 +34,8 @@ def messages() -> dict[str, object]:
         ),
         finished_req_ids=[],
     )
-    result = StepResult(step_id=1234, req_ids=ids, token_ids=list(range(1000, 1000 + BATCH)))
-    tokens = TokenBatch([RequestTokens(i, [1000 + n]) for n, i in enumerate(ids)])
+    result = StepResult(step_id=1234, req_ids=ids, token_ids=pack_ids(range(1000, 1000 + BATCH)))
+    tokens = TokenBatch([RequestTokens(i, pack_ids([1000 + n])) for n, i in enumerate(ids)])
     return {"StepPlan": plan, "StepResult": result, "TokenBatch": tokens}
 
 

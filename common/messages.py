@@ -7,18 +7,39 @@ preempted requests travel as ids. So a plan's size does not grow with context le
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
+import numpy as np
 
 from common.sampling_params import SamplingParams
 from common.telemetry import StepTelemetry
+
+TokenIds = bytes
+"""Token ids on the wire: one little-endian int32 buffer. A msgpack list[int] decodes into one
+Python object per id; a buffer decodes with one copy, and numpy or torch produce it directly."""
+
+_ID_DTYPE = np.dtype("<i4")
+
+
+def pack_ids(ids: Sequence[int] | np.ndarray) -> TokenIds:
+    return np.asarray(ids, dtype=_ID_DTYPE).tobytes()
+
+
+def unpack_ids(buf: TokenIds) -> list[int]:
+    return np.frombuffer(buf, dtype=_ID_DTYPE).tolist()
+
+
+def num_ids(buf: TokenIds) -> int:
+    return len(buf) // _ID_DTYPE.itemsize
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     """A request the worker has not seen (or must rebuild after preemption)."""
 
     req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # non-empty when a preempted request resumes
+    prompt_token_ids: TokenIds
+    output_token_ids: TokenIds  # non-empty when a preempted request resumes
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
@@ -33,7 +54,7 @@ class RunningRequestData(msgspec.Struct, array_like=True, gc=False):
     new_block_ids: list[list[int]] = []
     # Speculation, one entry per request: draft ids proposed by the scheduler (n-gram), or the
     # number of drafts the worker's draft model must propose. [] / 0 when not speculating.
-    spec_token_ids: list[list[int]] = []
+    spec_token_ids: list[TokenIds] = []
     num_spec_tokens: list[int] = []
 
 
@@ -60,7 +81,7 @@ class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
 
     step_id: int
     req_ids: list[str]
-    token_ids: list[int]  # flat; request i contributed counts[i] of them (1 when counts is None)
+    token_ids: TokenIds  # flat; request i contributed counts[i] of them (1 when counts is None)
     counts: list[int] | None = None  # set when some request speculated
     logprobs: list[TokenLogprobs | None] | None = None  # aligned with token_ids when any asked
     prepare_s: float = 0.0
@@ -85,7 +106,7 @@ class TokenizeRequest(msgspec.Struct, array_like=True, tag="tokenize"):
     req_id: str
     params: SamplingParams
     prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: TokenIds | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     arrival_time: float = 0.0  # time.time() at the api, for queue/TTFT metrics
@@ -95,7 +116,7 @@ class GenerateRequest(msgspec.Struct, array_like=True, gc=False, tag="generate")
     """tokenizer -> scheduler. The scheduler replies to the tokenizer that sent it."""
 
     req_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: TokenIds
     params: SamplingParams
     arrival_time: float = 0.0
 
@@ -112,7 +133,7 @@ class RequestTokens(msgspec.Struct, array_like=True, gc=False):
     """New tokens for one request from one step (several when speculating)."""
 
     req_id: str
-    token_ids: list[int]
+    token_ids: TokenIds
     finish_reason: str | None = None  # stop | length | abort
     logprobs: list[TokenLogprobs] | None = None
     num_prompt_tokens: int = 0  # set on the first message of a request
@@ -130,7 +151,7 @@ class TokenBatch(msgspec.Struct, array_like=True, gc=False, tag="tokens"):
 class TextDelta(msgspec.Struct, array_like=True, gc=False):
     req_id: str
     text: str
-    token_ids: list[int]
+    token_ids: TokenIds
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
     num_prompt_tokens: int = 0

@@ -26,6 +26,7 @@ from common.messages import (
     TextDelta,
     TokenizeRequest,
     TokenizerHeartbeat,
+    num_ids,
 )
 from services.api.metrics import EngineSnapshot, Metrics
 
@@ -157,18 +158,19 @@ class EngineClient:
             if d.error is not None:
                 del self._tracks[d.req_id]
                 continue
-            if d.token_ids:
+            num_tokens = num_ids(d.token_ids)
+            if num_tokens:
                 if track.first is None:
                     track.first = now
                     m.ttft.observe(now - track.arrival)
                     m.queue_time.observe(d.queue_s)
                     m.prompt_tokens.inc(d.num_prompt_tokens)
                 else:
-                    gap = (now - track.last) / len(d.token_ids)
-                    for _ in d.token_ids:
+                    gap = (now - track.last) / num_tokens
+                    for _ in range(num_tokens):
                         m.itl.observe(gap)
                 track.last = now
-                m.generation_tokens.inc(len(d.token_ids))
+                m.generation_tokens.inc(num_tokens)
             if d.finish_reason is not None:
                 m.e2e.observe(now - track.arrival)
                 m.request_success.labels(d.finish_reason).inc()

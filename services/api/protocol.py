@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from common.messages import ChatMessage, TokenizeRequest
+from common.messages import ChatMessage, TokenizeRequest, pack_ids
 from common.sampling_params import SamplingParams
 
 
@@ -124,7 +124,9 @@ class Generation:
                     f"{req_id}-{i}",
                     params,
                     prompt=self.prompt,
-                    prompt_token_ids=self.prompt_token_ids,
+                    prompt_token_ids=(
+                        None if self.prompt_token_ids is None else pack_ids(self.prompt_token_ids)
+                    ),
                     messages=self.messages,
                     add_generation_prompt=self.add_generation_prompt,
                     arrival_time=arrival_time,
@@ -220,6 +222,8 @@ def _completion_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
     if _is_ids(prompt):
         if not prompt:
             raise ApiError("the prompt is empty", param="prompt")
+        if not all(0 <= t < 2**31 for t in prompt):  # ids travel as int32 (pack_ids)
+            raise ApiError("prompt token ids must be non-negative vocabulary ids", param="prompt")
         return None, prompt
     if (
         isinstance(prompt, list)

@@ -7,7 +7,7 @@ import math
 import time
 from typing import Any, Literal
 
-from common.messages import TextDelta, TokenLogprobs
+from common.messages import TextDelta, TokenLogprobs, num_ids, unpack_ids
 from services.api.tokens import TokenStrings
 
 
@@ -40,8 +40,8 @@ class Accumulator:
             self.prompt_tokens = d.num_prompt_tokens
             self.cached_tokens = d.num_cached_tokens
         c.text += d.text
-        c.num_tokens += len(d.token_ids)
-        c.token_ids += d.token_ids
+        c.num_tokens += num_ids(d.token_ids)
+        c.token_ids += unpack_ids(d.token_ids)
         if d.logprobs:
             c.logprobs += d.logprobs
         if d.finish_reason is not None or d.error is not None:
@@ -113,7 +113,7 @@ class Formatter:
     def chunk(self, c: Choice, deltas: list[TextDelta]) -> dict[str, Any] | None:
         """One event for a choice's coalesced deltas; None when there is nothing to say."""
         text = "".join(d.text for d in deltas)
-        ids = [t for d in deltas for t in d.token_ids]
+        ids = [t for d in deltas for t in unpack_ids(d.token_ids)]
         lps = [x for d in deltas for x in (d.logprobs or [])]
         finish = deltas[-1].finish_reason
         if not text and finish is None and not (self.with_logprobs and lps):

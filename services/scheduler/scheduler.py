@@ -20,7 +20,15 @@ import dataclasses
 import time
 from collections import deque
 
-from common.messages import NewRequestData, RunningRequestData, StepPlan, StepResult, TokenLogprobs
+from common.messages import (
+    NewRequestData,
+    RunningRequestData,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+    pack_ids,
+    unpack_ids,
+)
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import FinishReason, Request, RequestStatus
 from services.scheduler.speculation import SpecPolicy
@@ -221,8 +229,8 @@ class Scheduler:
             new_requests.append(
                 NewRequestData(
                     req_id=request.req_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
+                    prompt_token_ids=pack_ids(request.prompt_token_ids),
+                    output_token_ids=pack_ids(request.output_token_ids),
                     params=request.params,
                     block_ids=list(self.blocks.block_table(request.req_id)),
                     num_computed_tokens=request.num_computed_tokens,
@@ -234,8 +242,8 @@ class Scheduler:
             running.num_scheduled_tokens.append(num_tokens)
             running.new_block_ids.append(new_blocks)
             if self.spec is not None:
-                ids = drafts if isinstance(drafts, list) else []
-                running.spec_token_ids.append(ids)
+                ids = drafts if isinstance(drafts, list) else ()
+                running.spec_token_ids.append(pack_ids(ids))
                 running.num_spec_tokens.append(num_tokens - 1 if drafts else 0)
                 if drafts:
                     request.spec_inflight = num_tokens - 1
@@ -275,10 +283,11 @@ class Scheduler:
         self._cache_computed_blocks(plan)
         updates: list[RequestUpdate] = []
         counts = result.counts
+        token_ids = unpack_ids(result.token_ids)  # one C-level conversion per step
         offset = 0
         for row, req_id in enumerate(result.req_ids):
             count = 1 if counts is None else counts[row]
-            tokens = result.token_ids[offset : offset + count]
+            tokens = token_ids[offset : offset + count]
             logprobs = None if result.logprobs is None else result.logprobs[offset : offset + count]
             offset += count
             request = self.requests.get(req_id)

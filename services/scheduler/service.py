@@ -36,6 +36,8 @@ from common.messages import (
     StepResult,
     TokenBatch,
     WorkerReady,
+    pack_ids,
+    unpack_ids,
 )
 from common.telemetry import BusyTracker, StepTelemetry
 from common.validation import check_request
@@ -115,25 +117,26 @@ class SchedulerService:
 
     def _add(self, routing_id: bytes, msg: GenerateRequest) -> None:
         assert self.scheduler is not None and self.blocks is not None
+        prompt = unpack_ids(msg.prompt_token_ids)
         try:
             max_tokens = check_request(
-                msg.prompt_token_ids, msg.params, self.max_model_len, self.model_cfg.vocab_size
+                prompt, msg.params, self.max_model_len, self.model_cfg.vocab_size
             )
-            needed = -(-(len(msg.prompt_token_ids) + 1) // self.blocks.block_size)
+            needed = -(-(len(prompt) + 1) // self.blocks.block_size)
             if needed > self.blocks.num_blocks:
                 raise ValueError(
                     f"the prompt needs {needed} KV blocks; the cache has {self.blocks.num_blocks}"
                 )
             request = Request(
                 msg.req_id,
-                msg.prompt_token_ids,
+                prompt,
                 msg.params,
                 max_tokens,
                 self.model_cfg.eos_token_ids,
             )
             self.scheduler.add_request(request)
         except ValueError as e:
-            reply = RequestTokens(msg.req_id, [], finish_reason="abort", error=str(e))
+            reply = RequestTokens(msg.req_id, b"", finish_reason="abort", error=str(e))
             self._send_batches({routing_id: [reply]})
             return
         self.owners[msg.req_id] = _Owner(routing_id)
@@ -146,7 +149,7 @@ class SchedulerService:
                 owner = self.owners.pop(req_id, None)
                 if owner is not None and msg.reason == "abort":
                     replies[owner.routing_id].append(
-                        RequestTokens(req_id, [], finish_reason="abort")
+                        RequestTokens(req_id, b"", finish_reason="abort")
                     )
         self._send_batches(replies)
         self.stats_due.set()
@@ -203,7 +206,9 @@ class SchedulerService:
             if owner is None:
                 continue
             reason = update.finish_reason.value if update.finish_reason else None
-            item = RequestTokens(update.req_id, update.new_token_ids, reason, update.logprobs)
+            item = RequestTokens(
+                update.req_id, pack_ids(update.new_token_ids), reason, update.logprobs
+            )
             if not owner.announced:
                 owner.announced = True
                 request = update.request

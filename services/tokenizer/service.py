@@ -36,6 +36,8 @@ from common.messages import (  # noqa: E402
     TokenBatch,
     TokenizeRequest,
     TokenizerHeartbeat,
+    pack_ids,
+    unpack_ids,
 )
 from common.sampling_params import SamplingParams  # noqa: E402
 from common.validation import check_request  # noqa: E402
@@ -87,7 +89,7 @@ class TokenizerService:
 
     def tokenize(self, req: TokenizeRequest) -> list[int]:
         if req.prompt_token_ids is not None:
-            return list(req.prompt_token_ids)
+            return unpack_ids(req.prompt_token_ids)
         if req.messages is not None:
             out = self.tokenizer.apply_chat_template(
                 [{"role": m.role, "content": m.content} for m in req.messages],
@@ -113,7 +115,7 @@ class TokenizerService:
             ids = self.tokenize(req)
             check_request(ids, req.params, self.max_model_len, self.vocab_size)
         except Exception as e:  # any tokenizer/template failure is the request's fault
-            return TextDelta(req.req_id, "", [], error=str(e) or type(e).__name__)
+            return TextDelta(req.req_id, "", b"", error=str(e) or type(e).__name__)
         eos = frozenset() if req.params.ignore_eos else self.eos_ids
         self.requests[req.req_id] = _Request(
             IncrementalDetokenizer(self.tokenizer, ids, req.params),
@@ -121,7 +123,7 @@ class TokenizerService:
             eos | frozenset(req.params.stop_token_ids),
         )
         self.num_served += 1
-        return GenerateRequest(req.req_id, ids, req.params, req.arrival_time)
+        return GenerateRequest(req.req_id, pack_ids(ids), req.params, req.arrival_time)
 
     def detokenize(self, batch: TokenBatch) -> tuple[list[TextDelta], list[str]]:
         """Text deltas for the api, and ids whose stop string matched (to abort upstream)."""
@@ -137,7 +139,7 @@ class TokenizerService:
                 log.exception("detokenizing %s failed", item.req_id)
                 self.requests.pop(item.req_id, None)
                 stopped.append(item.req_id)
-                delta = TextDelta(item.req_id, "", [], finish_reason="abort", error=str(e))
+                delta = TextDelta(item.req_id, "", b"", finish_reason="abort", error=str(e))
             else:
                 if delta.finish_reason is not None:
                     if item.finish_reason is None:  # stop string: the scheduler still runs it
@@ -148,7 +150,7 @@ class TokenizerService:
 
     def _detokenize_one(self, state: _Request, item: RequestTokens) -> TextDelta:
         finish = item.finish_reason
-        ids = item.token_ids
+        ids = unpack_ids(item.token_ids)
         # Like vLLM, the token that ended generation (eos / stop_token_ids) is not text.
         if (
             finish == "stop"

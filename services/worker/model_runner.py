@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from common.config import EngineConfig
-from common.messages import StepPlan, StepResult, TokenLogprobs
+from common.messages import StepPlan, StepResult, TokenLogprobs, pack_ids, unpack_ids
 from common.sampling_params import SamplingParams
 from kernels import cpu_ops
 from services.worker.cpu_tuning import keep_freed_memory
@@ -138,10 +138,11 @@ class ModelRunner:
                 self.drafter.drop(req_id)
         scheduled: list[Scheduled] = []
         for new in plan.new_requests:
+            prompt = unpack_ids(new.prompt_token_ids)
             state = RequestState(
                 req_id=new.req_id,
-                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
-                prompt_len=len(new.prompt_token_ids),
+                token_ids=prompt + unpack_ids(new.output_token_ids),
+                prompt_len=len(prompt),
                 params=new.params,
                 block_ids=list(new.block_ids),
                 num_computed=new.num_computed_tokens,
@@ -149,7 +150,7 @@ class ModelRunner:
             self.requests[new.req_id] = state
             scheduled.append(Scheduled(state, new.num_scheduled_tokens))
         running = plan.running
-        spec_ids = running.spec_token_ids or [[]] * len(running.req_ids)
+        spec_ids = running.spec_token_ids or [b""] * len(running.req_ids)
         num_spec = running.num_spec_tokens or [0] * len(running.req_ids)
         for req_id, num_tokens, new_blocks, drafts, k in zip(
             running.req_ids, running.num_scheduled_tokens, running.new_block_ids, spec_ids, num_spec
@@ -157,7 +158,7 @@ class ModelRunner:
             state = self.requests[req_id]
             if new_blocks:
                 state.block_ids.extend(new_blocks)
-            scheduled.append(Scheduled(state, num_tokens, list(drafts), k))
+            scheduled.append(Scheduled(state, num_tokens, unpack_ids(drafts), k))
         return scheduled
 
     # -- one step -------------------------------------------------------------------------------
@@ -167,7 +168,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         scheduled = self._apply_plan(plan)
         if not scheduled:
-            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=[])
+            return StepResult(step_id=plan.step_id, req_ids=[], token_ids=b"")
         self._propose_drafts(scheduled)
         chunks = [self._chunk(item) for item in scheduled]
         inputs = build_step_inputs(chunks, self.block_size, self.device)
@@ -202,7 +203,7 @@ class ModelRunner:
         return StepResult(
             step_id=plan.step_id,
             req_ids=req_ids,
-            token_ids=token_ids,
+            token_ids=pack_ids(token_ids),
             counts=counts if len(token_ids) != len(req_ids) else None,
             logprobs=logprobs if any_logprobs else None,
             prepare_s=t1 - t0,

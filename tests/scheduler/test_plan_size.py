@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.ipc import encoder
-from common.messages import StepResult
+from common.messages import StepResult, pack_ids
 from common.sampling_params import SamplingParams
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request
@@ -27,7 +27,7 @@ def _steady_plan_bytes(prompt_len: int) -> int:
         plan = sched.schedule()
         sizes.append(len(encoder.encode(plan)))
         ids = plan_ids(plan)
-        sched.update(plan, StepResult(plan.step_id, ids, [5] * len(ids)))
+        sched.update(plan, StepResult(plan.step_id, ids, pack_ids([5] * len(ids))))
     assert sched.num_running == BATCH
     return sizes[-1]
 
@@ -41,3 +41,21 @@ def test_decode_plan_is_small_and_independent_of_context_length():
     long = _steady_plan_bytes(2000)
     assert short == long  # a diff: no token ids or block tables of the whole context
     assert long < 16 * 1024, f"{long} bytes for {BATCH} decoding requests"
+
+
+def test_token_ids_travel_as_one_int32_buffer():
+    """Results, token batches and prompts carry ids as a packed array, not a msgpack int list
+    (which decodes into one Python object per id)."""
+    from common.ipc import tokenizer_inbound_decoder, worker_outbound_decoder
+    from common.messages import RequestTokens, TokenBatch, unpack_ids
+
+    ids = list(range(1000, 1000 + BATCH))
+    raw = pack_ids(ids)
+    assert raw == b"".join(i.to_bytes(4, "little") for i in ids)
+    wire = encoder.encode(StepResult(7, [f"req-{i}" for i in range(BATCH)], raw))
+    assert raw in wire  # the buffer is on the wire as is
+    assert unpack_ids(worker_outbound_decoder.decode(wire).token_ids) == ids
+    batch = TokenBatch([RequestTokens(f"req-{i}", pack_ids([t])) for i, t in enumerate(ids)])
+    decoded = tokenizer_inbound_decoder.decode(encoder.encode(batch))
+    assert [unpack_ids(item.token_ids) for item in decoded.items] == [[t] for t in ids]
+    assert unpack_ids(pack_ids([])) == []

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from common.messages import NewRequestData, StepPlan, StepResult
+from common.messages import NewRequestData, StepPlan, StepResult, num_ids, pack_ids, unpack_ids
 from common.sampling_params import SamplingParams
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import FinishReason, Request
@@ -70,8 +70,9 @@ class FakeWorker:
         scheduled: list[tuple[str, _State, int]] = []
         for new in plan.new_requests:
             assert new.req_id not in self.reqs
-            tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
-            st = _State(tokens, len(new.prompt_token_ids), list(new.block_ids), 0)
+            prompt = unpack_ids(new.prompt_token_ids)
+            tokens = prompt + unpack_ids(new.output_token_ids)
+            st = _State(tokens, len(prompt), list(new.block_ids), 0)
             st.computed = new.num_computed_tokens
             self.reqs[new.req_id] = st
             scheduled.append((new.req_id, st, new.num_scheduled_tokens))
@@ -98,7 +99,7 @@ class FakeWorker:
         for rid, token in zip(req_ids, token_ids):
             self.reqs[rid].tokens.append(token)
             self.sampled[rid].append(plan.step_id)
-        return StepResult(plan.step_id, req_ids, token_ids)
+        return StepResult(plan.step_id, req_ids, pack_ids(token_ids))
 
 
 @dataclasses.dataclass
@@ -235,7 +236,7 @@ def test_preemption(cache: bool, overlap: bool) -> None:
     run = drive(sched, worker, overlap)  # checks: front of queue, no admission, state dropped
     assert sched.num_preemptions > 0
     resumed = [n for i, n in enumerate(run.news) if n.req_id in {m.req_id for m in run.news[:i]}]
-    assert resumed and all(n.output_token_ids for n in resumed)
+    assert resumed and all(num_ids(n.output_token_ids) for n in resumed)
     hits = [n.num_computed_tokens for n in resumed]
     assert any(hits) if cache else not any(hits)
     assert run.outputs == ref.outputs and run.reasons == ref.reasons

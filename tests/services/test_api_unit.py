@@ -8,7 +8,7 @@ import time
 import msgspec
 
 from common.addresses import Addresses
-from common.messages import SchedulerStats, TextDelta
+from common.messages import SchedulerStats, TextDelta, pack_ids
 from common.sampling_params import SamplingParams
 from services.api.app import Api
 from services.api.engine_client import EngineClient, _Tokenizer
@@ -32,9 +32,9 @@ def _events(model_path, first: TextDelta, queued: list[TextDelta], n: int = 1) -
 
 
 def test_backlog_is_coalesced_into_one_event(model_path):
-    first = TextDelta("cmpl-x-0", "a", [10], num_prompt_tokens=3)
-    backlog = [TextDelta("cmpl-x-0", c, [10]) for c in "bcde"]
-    backlog.append(TextDelta("cmpl-x-0", "f", [10], finish_reason="length"))
+    first = TextDelta("cmpl-x-0", "a", pack_ids([10]), num_prompt_tokens=3)
+    backlog = [TextDelta("cmpl-x-0", c, pack_ids([10])) for c in "bcde"]
+    backlog.append(TextDelta("cmpl-x-0", "f", pack_ids([10]), finish_reason="length"))
     events = _events(model_path, first, backlog)
     assert [e["choices"][0]["text"] for e in events[:-1]] == ["a", "bcdef"]
     assert events[1]["choices"][0]["finish_reason"] == "length"
@@ -44,10 +44,10 @@ def test_backlog_is_coalesced_into_one_event(model_path):
 
 
 def test_n_choices_are_separate_events(model_path):
-    first = TextDelta("cmpl-x-1", "x", [10], num_prompt_tokens=2)
+    first = TextDelta("cmpl-x-1", "x", pack_ids([10]), num_prompt_tokens=2)
     backlog = [
-        TextDelta("cmpl-x-0", "y", [11], finish_reason="stop"),
-        TextDelta("cmpl-x-1", "z", [12], finish_reason="length"),
+        TextDelta("cmpl-x-0", "y", pack_ids([11]), finish_reason="stop"),
+        TextDelta("cmpl-x-1", "z", pack_ids([12]), finish_reason="length"),
     ]
     events = _events(model_path, first, backlog, n=2)
     texts = {}

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from common.addresses import Addresses
-from common.messages import ChatMessage, RequestTokens, TokenBatch, TokenizeRequest
+from common.messages import (
+    ChatMessage,
+    RequestTokens,
+    TokenBatch,
+    TokenizeRequest,
+    pack_ids,
+    unpack_ids,
+)
 from common.sampling_params import SamplingParams
 from services.tokenizer.service import TokenizerService
 
@@ -25,15 +32,14 @@ def _batch(*items: RequestTokens) -> TokenBatch:
 def test_admit_prompt_ids_and_chat(svc):
     params = SamplingParams(max_tokens=4)
     text = svc.admit(TokenizeRequest("a", params, prompt="hello world"))
-    assert text.prompt_token_ids == svc.tokenizer.encode("hello world")
-    ids = svc.admit(TokenizeRequest("b", params, prompt_token_ids=[5, 6, 7]))
-    assert ids.prompt_token_ids == [5, 6, 7]
+    assert unpack_ids(text.prompt_token_ids) == svc.tokenizer.encode("hello world")
+    ids = svc.admit(TokenizeRequest("b", params, prompt_token_ids=pack_ids([5, 6, 7])))
+    assert unpack_ids(ids.prompt_token_ids) == [5, 6, 7]
     chat = svc.admit(TokenizeRequest("c", params, messages=[ChatMessage("user", "hi")]))
     expected = svc.tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, return_dict=False
     )
-    assert chat.prompt_token_ids == list(expected)
-    assert all(isinstance(t, int) for t in chat.prompt_token_ids)
+    assert unpack_ids(chat.prompt_token_ids) == list(expected)
     assert {"a", "b", "c"} <= set(svc.requests)
 
 
@@ -41,8 +47,8 @@ def test_admit_prompt_ids_and_chat(svc):
     ("request_kw", "message"),
     [
         (dict(prompt=""), "empty"),
-        (dict(prompt_token_ids=list(range(3, 80))), "context length"),
-        (dict(prompt_token_ids=[4096]), "prompt token ids"),
+        (dict(prompt_token_ids=pack_ids(range(3, 80))), "context length"),
+        (dict(prompt_token_ids=pack_ids([4096])), "prompt token ids"),
     ],
 )
 def test_admit_rejects(svc, request_kw, message):
@@ -52,22 +58,30 @@ def test_admit_rejects(svc, request_kw, message):
 
 
 def test_eos_text_dropped_and_state_freed(svc):
-    svc.admit(TokenizeRequest("e", SamplingParams(max_tokens=8), prompt_token_ids=[5, 6]))
+    svc.admit(TokenizeRequest("e", SamplingParams(max_tokens=8), prompt_token_ids=pack_ids([5, 6])))
     hello = svc.tokenizer.encode("hello")
-    deltas, stopped = svc.detokenize(_batch(RequestTokens("e", hello, num_prompt_tokens=2)))
+    deltas, stopped = svc.detokenize(
+        _batch(RequestTokens("e", pack_ids(hello), num_prompt_tokens=2))
+    )
     assert deltas[0].text == "hello" and deltas[0].num_prompt_tokens == 2 and not stopped
-    deltas, stopped = svc.detokenize(_batch(RequestTokens("e", [EOS], finish_reason="stop")))
-    assert (deltas[0].text, deltas[0].finish_reason, deltas[0].token_ids) == ("", "stop", [EOS])
+    deltas, stopped = svc.detokenize(
+        _batch(RequestTokens("e", pack_ids([EOS]), finish_reason="stop"))
+    )
+    assert (deltas[0].text, deltas[0].finish_reason, deltas[0].token_ids) == (
+        "",
+        "stop",
+        pack_ids([EOS]),
+    )
     assert "e" not in svc.requests and not stopped
 
 
 def test_stop_string_aborts_upstream_and_drops_late_tokens(svc):
     params = SamplingParams(max_tokens=30, stop=["wor"])
-    svc.admit(TokenizeRequest("s", params, prompt_token_ids=[5, 6]))
+    svc.admit(TokenizeRequest("s", params, prompt_token_ids=pack_ids([5, 6])))
     ids = svc.tokenizer.encode("hello world again")
     texts, stops = [], []
     for t in ids:
-        deltas, stopped = svc.detokenize(_batch(RequestTokens("s", [t])))
+        deltas, stopped = svc.detokenize(_batch(RequestTokens("s", pack_ids([t]))))
         texts += [d.text for d in deltas]
         stops += stopped
         if deltas and deltas[0].finish_reason:
@@ -78,8 +92,8 @@ def test_stop_string_aborts_upstream_and_drops_late_tokens(svc):
 
 
 def test_scheduler_rejection_becomes_error(svc):
-    svc.admit(TokenizeRequest("r", SamplingParams(max_tokens=4), prompt_token_ids=[5]))
-    item = RequestTokens("r", [], finish_reason="abort", error="needs too many KV blocks")
+    svc.admit(TokenizeRequest("r", SamplingParams(max_tokens=4), prompt_token_ids=pack_ids([5])))
+    item = RequestTokens("r", b"", finish_reason="abort", error="needs too many KV blocks")
     deltas, _ = svc.detokenize(_batch(item))
     assert deltas[0].error == "needs too many KV blocks"
     assert "r" not in svc.requests

@@ -22,7 +22,7 @@ import random
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from common.messages import SpecStats, StepPlan, StepResult
+from common.messages import SpecStats, StepPlan, StepResult, num_ids, pack_ids, unpack_ids
 from common.sampling_params import SamplingParams
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import FinishReason, Request, RequestStatus
@@ -152,14 +152,15 @@ class SpecFakeWorker:
         items: list[tuple[str, _State, int, list[int], int, bool]] = []
         for new in plan.new_requests:
             assert new.req_id not in self.reqs
-            tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
-            st = _State(tokens, len(new.prompt_token_ids), list(new.block_ids), 0)
+            prompt = unpack_ids(new.prompt_token_ids)
+            tokens = prompt + unpack_ids(new.output_token_ids)
+            st = _State(tokens, len(prompt), list(new.block_ids), 0)
             st.computed = new.num_computed_tokens
             self.reqs[new.req_id] = st
             items.append((new.req_id, st, new.num_scheduled_tokens, [], 0, False))
         run = plan.running
         n = len(run.req_ids)
-        spec_ids = run.spec_token_ids or [[] for _ in range(n)]
+        spec_ids = run.spec_token_ids or [b""] * n
         num_spec = run.num_spec_tokens or [0] * n
         assert len(spec_ids) == len(num_spec) == n
         for rid, num, new_blocks, ids, k in zip(
@@ -167,7 +168,7 @@ class SpecFakeWorker:
         ):
             st = self.reqs[rid]
             st.blocks.extend(new_blocks)
-            drafts = list(ids)
+            drafts = unpack_ids(ids)
             if k:  # a verify: nothing else of this request may be pending
                 assert num == k + 1 and st.computed == len(st.tokens) - 1, (rid, num, k)
                 if drafts:  # n-gram, proposed by the scheduler from the known tokens
@@ -207,7 +208,7 @@ class SpecFakeWorker:
         return StepResult(
             plan.step_id,
             req_ids,
-            token_ids,
+            pack_ids(token_ids),
             counts=counts if len(token_ids) != len(req_ids) else None,
         )
 
@@ -250,7 +251,7 @@ def check_plan(sched: Scheduler, plan: StepPlan, inflight_verifies: set[str]) ->
             continue
         assert 1 <= k <= spec.max_k and num == k + 1
         assert request.spec_inflight == k
-        assert (len(ids_) == k) if spec.method == "ngram" else not ids_
+        assert (num_ids(ids_) == k) if spec.method == "ngram" else not ids_
         # A verify yields at most k + 1 tokens: within max_tokens and the context length.
         assert request.num_output_tokens + k + 1 <= request.max_tokens
         assert request.num_tokens + k + 1 <= cfg.max_model_len
