@@ -26,6 +26,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0
+    # CUDA graphs for decode-only steps (vLLM's name and default). Graphs are only ever captured
+    # on CUDA; on CPU every step runs eagerly whatever this says.
+    enforce_eager: bool = False
+    # Largest decode batch captured (capped by max_num_seqs); larger decode batches run eagerly.
+    max_cudagraph_capture_size: int = 256
     # Skip the model: the worker returns a fixed next token at zero cost, so the whole pipeline
     # (api -> tokenizer -> scheduler -> worker -> detokenizer -> api) can be timed on its own.
     null_model: bool = False
@@ -46,6 +51,10 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be positive")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be positive")
+        if self.max_cudagraph_capture_size < 1:
+            raise ValueError("max_cudagraph_capture_size must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
         if self.speculative not in (None, "ngram", "draft"):

@@ -33,6 +33,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.enable_prefix_caching,
     )
     g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=d.enforce_eager,
+        help="never capture CUDA graphs (decode steps are captured on CUDA by default)",
+    )
+    g.add_argument(
+        "--max-cudagraph-capture-size",
+        type=int,
+        default=d.max_cudagraph_capture_size,
+        help="largest decode batch captured as a CUDA graph (capped by --max-num-seqs)",
+    )
     g.add_argument("--speculative", choices=["ngram", "draft"], default=None)
     g.add_argument("--speculative-model", default=None, help="draft model folder (implies draft)")
     g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)

@@ -12,6 +12,7 @@ import msgspec
 import torch
 
 from common.sampling_params import SamplingParams
+from services.worker.kv_sizing import kv_block_bytes
 from services.worker.loader import check_model_folder, load_model
 from services.worker.model_config import ModelConfig, ModelLoadError
 from services.worker.sampler import (
@@ -31,14 +32,14 @@ class Drafter:
         self,
         folder: str,
         target: ModelConfig,
-        num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
         max_model_len: int,
-        zeros,
         seed: int = 0,
     ) -> None:
+        """Loads the weights; the KV cache comes later (`allocate_kv`), once the target's
+        KV sizing has counted these weights and `kv_block_bytes` per block."""
         check_model_folder(folder)
         self.cfg = ModelConfig.from_folder(folder)
         if self.cfg.vocab_size != target.vocab_size:
@@ -48,13 +49,22 @@ class Drafter:
             )
         self.model = load_model(folder, dtype, str(device), max_model_len)
         self.block_size, self.device = block_size, device
-        shape = (num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
-        self.kv_caches = [(zeros(shape), zeros(shape)) for _ in range(self.cfg.num_layers)]
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.computed: dict[str, int] = {}  # per request: positions whose draft K/V is valid
         # Its own stream, distinct from the target sampler's: proposals drawn with the same noise
         # as the token before them would be correlated with it.
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed((seed * _SEED_MIX + _DRAFT_SALT) & _MASK63)
+
+    def kv_block_bytes(self, elem_size: int) -> int:
+        cfg = self.cfg
+        return kv_block_bytes(
+            cfg.num_layers, self.block_size, cfg.num_kv_heads, cfg.head_dim, elem_size
+        )
+
+    def allocate_kv(self, num_blocks: int, zeros) -> None:
+        shape = (num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        self.kv_caches = [(zeros(shape), zeros(shape)) for _ in range(self.cfg.num_layers)]
 
     def drop(self, req_id: str) -> None:
         self.computed.pop(req_id, None)

@@ -20,12 +20,20 @@ from common.messages import StepPlan, StepResult, TokenLogprobs, pack_ids, unpac
 from common.sampling_params import SamplingParams
 from kernels import cpu_ops
 from services.worker.cpu_tuning import keep_freed_memory
+from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from services.worker.drafter import Drafter
+from services.worker.kv_sizing import (
+    GIB,
+    cpu_kv_blocks,
+    gpu_kv_blocks,
+    kv_block_bytes,
+    profile_gpu_memory,
+)
 from services.worker.loader import check_model_folder, load_model, resolve_dtype
 from services.worker.model_config import ModelConfig
 from services.worker.sampler import Sampler, SamplingBatch
 from services.worker.spec_verify import VerifyGroup, verify
-from services.worker.step_inputs import Chunk, build_step_inputs
+from services.worker.step_inputs import Chunk, build_step_inputs, sample_ranges
 
 log = logging.getLogger("stoker.worker")
 
@@ -78,7 +86,23 @@ class ModelRunner:
         self.model = None
         if not config.null_model:
             self.model = load_model(folder, self.dtype, config.device, self.max_model_len)
-        self.num_blocks = config.num_kv_blocks or self._blocks_that_fit()
+        self.drafter: Drafter | None = None
+        if config.speculative == "draft" and not config.null_model:
+            assert config.speculative_model is not None
+            self.drafter = Drafter(
+                config.speculative_model,
+                self.model_cfg,
+                self.block_size,
+                self.dtype,
+                self.device,
+                self.max_model_len,
+                seed=config.seed,
+            )
+        capture = self.device.type == "cuda" and not config.enforce_eager and self.model is not None
+        if config.num_kv_blocks:
+            self.num_blocks, source = config.num_kv_blocks, "--num-kv-blocks"
+        else:
+            self.num_blocks, source = self._blocks_that_fit(capture)
         capacity = self.num_blocks * self.block_size
         if capacity < self.max_model_len:
             # A lone request must always fit in the pool, or preemption could never make room.
@@ -89,25 +113,26 @@ class ModelRunner:
             )
             self.max_model_len = capacity
         cfg = self.model_cfg
-        shape = (self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # One block past the scheduler's pool: the scratch block padded decode rows write to.
+        shape = (self.num_blocks + 1, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         layers = 0 if config.null_model else cfg.num_layers
         self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(layers)]
+        if self.drafter is not None:
+            self.drafter.allocate_kv(self.num_blocks, self._zeros)
+        log.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, from %s); max_model_len %d",
+            self.num_blocks,
+            self.block_size,
+            capacity,
+            self.num_blocks * self._block_bytes() / GIB,
+            source,
+            self.max_model_len,
+        )
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
-        self.drafter: Drafter | None = None
-        if config.speculative == "draft" and not config.null_model:
-            assert config.speculative_model is not None
-            self.drafter = Drafter(
-                config.speculative_model,
-                self.model_cfg,
-                self.num_blocks,
-                self.block_size,
-                self.dtype,
-                self.device,
-                self.max_model_len,
-                self._zeros,
-                seed=config.seed,
-            )
+        self.graphs: DecodeGraphs | None = None
+        if capture:
+            self.use_decode_graphs(capture=True)
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         """Zeroed KV memory. On CPU it comes from calloc via numpy, so pages are mapped lazily and
@@ -118,16 +143,54 @@ class ModelRunner:
         nbytes = math.prod(shape) * torch.tensor([], dtype=self.dtype).element_size()
         return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.dtype).view(shape)
 
-    def _blocks_that_fit(self) -> int:
+    def _block_bytes(self) -> int:
         cfg = self.model_cfg
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        block_bytes = 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
-        if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            budget = free * self.config.gpu_memory_utilization
-        else:
-            budget = self.config.kv_cache_memory_gb * 1024**3
-        return max(1, int(budget // block_bytes))
+        # The null model sizes its (unallocated) pool as the real model would, so the scheduler
+        # sees the same number of blocks.
+        size = kv_block_bytes(cfg.num_layers, self.block_size, cfg.num_kv_heads, cfg.head_dim, elem)
+        if self.drafter is not None:  # its cache has as many blocks as the target's
+            size += self.drafter.kv_block_bytes(elem)
+        return size
+
+    def _graph_batch_sizes(self) -> list[int]:
+        return capture_sizes(min(self.config.max_num_seqs, self.config.max_cudagraph_capture_size))
+
+    def _blocks_that_fit(self, capture: bool) -> tuple[int, str]:
+        """(blocks, where the number came from), leaving room for the scratch block."""
+        block_bytes = self._block_bytes()
+        if self.device.type != "cuda":
+            blocks = cpu_kv_blocks(self.config.kv_cache_memory_gb, block_bytes) - 1
+            return max(1, blocks), f"--kv-cache-memory-gb {self.config.kv_cache_memory_gb}"
+        profile = profile_gpu_memory(
+            self.model,
+            device=self.device,
+            block_size=self.block_size,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_num_seqs=self.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            graph_batch_sizes=self._graph_batch_sizes() if capture else [],
+        )
+        utilization = self.config.gpu_memory_utilization
+        blocks = gpu_kv_blocks(profile, utilization, block_bytes) - 1
+        return max(1, blocks), profile.describe(utilization)
+
+    def use_decode_graphs(self, capture: bool = True) -> None:
+        """Serve decode-only steps through DecodeGraphs (services/worker/cuda_graphs.py), padded
+        to captured batch sizes. capture=False: the same padded persistent-buffer path with an
+        eager forward instead of a replay; CPU tests use it, since capture needs CUDA."""
+        if self.model is None:
+            raise ValueError("the null model has no forward to capture")
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            max_batch=self._graph_batch_sizes()[-1],
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            scratch_block=self.num_blocks,
+            device=self.device,
+            capture=capture,
+        )
 
     # -- plan bookkeeping ---------------------------------------------------------------------
 
@@ -171,15 +234,32 @@ class ModelRunner:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=b"")
         self._propose_drafts(scheduled)
         chunks = [self._chunk(item) for item in scheduled]
-        inputs = build_step_inputs(chunks, self.block_size, self.device)
         sampled = [item for item, c in zip(scheduled, chunks) if c.num_sampled]
+        # Decode-only steps go through the padded CUDA-graph path (services/worker/cuda_graphs.py);
+        # prefill, mixed and speculative verify steps run eagerly.
+        graphs = self.graphs if self.graphs is not None and self.graphs.accepts(chunks) else None
+        if graphs is not None:
+            graphs.prepare(chunks)
+            ranges = sample_ranges(chunks)
+        else:
+            inputs = build_step_inputs(chunks, self.block_size, self.device)
+            ranges = inputs.sample_ranges
         t1 = time.perf_counter()
         logits = None
-        if self.model is not None and sampled:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        if self.model is not None:
+            # Every chunk's K/V must be stored, even in a step where no chunk samples.
+            if graphs is not None:
+                hidden = graphs.run()
+                if len(sampled) < len(chunks):
+                    rows = [i for i, c in enumerate(chunks) if c.num_sampled]
+                    hidden = hidden[torch.tensor(rows, device=self.device)]
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+                hidden = hidden[inputs.sample_rows]
+            if sampled:
+                logits = self.model.compute_logits(hidden)
         t2 = time.perf_counter()
-        outputs = self._sample(sampled, logits, inputs, chunks)
+        outputs = self._sample(sampled, logits, ranges, chunks)
         for item in scheduled:
             if item.k:
                 continue  # advanced below by what was accepted
@@ -235,14 +315,15 @@ class ModelRunner:
         sample = 1 if end == len(state.token_ids) else 0
         return Chunk(state.token_ids[start:end], start, state.block_ids, sample)
 
-    def _sample(self, sampled, logits, inputs, chunks):
-        """Per sampled request: (new tokens, their logprobs or None)."""
+    def _sample(self, sampled, logits, ranges, chunks):
+        """Per sampled request: (new tokens, their logprobs or None). ranges: per chunk, its
+        rows in the logits."""
         if not sampled:
             return []
         if self.model is None:  # null model: a fixed, cheap next token
             vocab = self.model_cfg.vocab_size
             return [([(i.state.token_ids[-1] * 7 + 1) % vocab], None) for i in sampled]
-        ranges = [r for r, c in zip(inputs.sample_ranges, chunks) if c.num_sampled]
+        ranges = [r for r, c in zip(ranges, chunks) if c.num_sampled]
         # Token lists are only read for penalties; otherwise the sampler needs just each row's
         # output length (it seeds the noise), so skip copying every context every step.
         with_ids = any(item.state.params.uses_penalties for item in sampled)

@@ -73,12 +73,9 @@ def build_step_inputs(chunks: list[Chunk], block_size: int, device: torch.device
         decode_lens = torch.tensor([c.start + 1 for c in decodes], device=device)
 
     sample_rows: list[int] = []
-    sample_ranges: list[tuple[int, int]] = []
     for i, chunk in enumerate(chunks):
         _, end = hidden_rows[i]
-        first = len(sample_rows)
         sample_rows.extend(range(end - chunk.num_sampled, end))
-        sample_ranges.append((first, len(sample_rows)))
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, device=device),
         num_decode=num_decode,
@@ -91,5 +88,14 @@ def build_step_inputs(chunks: list[Chunk], block_size: int, device: torch.device
         positions=torch.tensor(positions, device=device),
         meta=meta,
         sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
-        sample_ranges=sample_ranges,
+        sample_ranges=sample_ranges(chunks),
     )
+
+
+def sample_ranges(chunks: list[Chunk]) -> list[tuple[int, int]]:
+    """Per chunk, in the given order: its rows in the step's logits (the sampled positions)."""
+    ranges, first = [], 0
+    for chunk in chunks:
+        ranges.append((first, first + chunk.num_sampled))
+        first += chunk.num_sampled
+    return ranges
