@@ -1,0 +1,766 @@
+"""The GPU checks of issue 7, one phase per process (benchmarks/gpu_check.sh runs them in order,
+each under a hard timeout, then merges):
+
+    model       build the Qwen3-0.6B-shaped random-init folder (bf16) with a tokenizer
+    kernels     every triton kernel against its torch reference on cuda, bf16 and fp32, GQA 1/4/8,
+                head dim 64/128, block size 16/32 (a pairwise-covering set of shapes)
+    hf          greedy agreement with HF transformers in bf16, tolerance-based on logits
+    decode      batch-1 decode ms/token with and without CUDA graphs
+    throughput  the nano-vllm workload: 256 requests, input/output lengths uniform 100-1024
+    timing      decode attention, RMSNorm and rotary against the bandwidth floor
+
+    python benchmarks/gpu_check.py PHASE --work DIR [--smoke]
+    python benchmarks/gpu_check.py merge --work DIR --out FILE
+
+Each phase writes DIR/PHASE.json as it goes, so a phase killed by its timeout still leaves what
+it measured. `--smoke` runs every phase at tiny shapes on CPU (tests/bench/test_gpu_check.py);
+the kernels phase then needs TRITON_INTERPRET=1, and CUDA graphs run in their eager-replay mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+PHASES = ("model", "kernels", "hf", "decode", "throughput", "timing")
+QWEN3_0_6B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    tie_word_embeddings=True,
+    max_position_embeddings=40960,
+    initializer_range=0.02,
+)
+SMOKE_MODEL = dict(
+    QWEN3_0_6B,
+    vocab_size=1024,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    intermediate_size=128,
+)
+# Reference points from the issue (HF on the same H200).
+HF_DECODE_MS = {"dynamic_cache": 25.3, "static_cache_compiled": 3.46}
+HF_GENERATE_BATCH_TOK_S = 794
+
+
+class Report:
+    """One phase's JSON, rewritten after every record so a timeout keeps what was measured."""
+
+    def __init__(self, path: Path, phase: str, smoke: bool) -> None:
+        self.path = path
+        self.data: dict = {"phase": phase, "smoke": smoke, "ok": None, "records": []}
+        self.data["device"] = torch.cuda.get_device_name() if _cuda() else "cpu"
+        self.save()
+
+    def add(self, **record) -> None:
+        self.data["records"].append(record)
+        self.save()
+
+    def set(self, **values) -> None:
+        self.data.update(values)
+        self.save()
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        tmp.replace(self.path)
+
+
+def _cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if _cuda() else "cpu")
+
+
+def _dtype() -> torch.dtype:
+    return torch.bfloat16 if _cuda() else torch.float32
+
+
+def _dtype_name() -> str:
+    return str(_dtype()).removeprefix("torch.")
+
+
+def bench(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Seconds per call: CUDA events on the GPU, the wall clock on CPU."""
+    for _ in range(warmup):
+        fn()
+    if not _cuda():
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) / iters
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1000 / iters
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read and written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=_device())
+    dst = torch.empty_like(src)
+    return 2 * nbytes / bench(lambda: dst.copy_(src), iters=10)
+
+
+def _free() -> None:
+    gc.collect()
+    if _cuda():
+        torch.cuda.empty_cache()
+
+
+def _model_path(work: Path) -> Path:
+    return work / "model"
+
+
+def _llm(work: Path, **options):
+    from services.engine import LLM
+
+    base = dict(device=str(_device()), dtype=_dtype_name())
+    return LLM(str(_model_path(work)), **(base | options))
+
+
+class StepTimes:
+    """Sums the worker's own step telemetry (prepare / forward / sample) over a run."""
+
+    def __init__(self, runner) -> None:
+        self.reset()
+        execute = runner.execute
+
+        def timed(plan):
+            result = execute(plan)
+            if result.req_ids:
+                self.steps += 1
+                self.prepare_s += result.prepare_s
+                self.forward_s += result.forward_s
+                self.sample_s += result.sample_s
+            return result
+
+        runner.execute = timed
+
+    def reset(self) -> None:
+        self.steps = 0
+        self.prepare_s = self.forward_s = self.sample_s = 0.0
+
+    def summary(self) -> dict:
+        return {
+            "steps": self.steps,
+            "worker_prepare_s": round(self.prepare_s, 3),
+            "worker_forward_s": round(self.forward_s, 3),
+            "worker_sample_s": round(self.sample_s, 3),
+        }
+
+
+# -- model -----------------------------------------------------------------------------------------
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer with one word per id ("w123"), so every sampled id decodes to text
+    (the BPE test tokenizer has 512 tokens; this model samples ids up to 151936)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+
+
+def phase_model(work: Path, smoke: bool, report: Report) -> bool:
+    from tests.factory import make_model
+
+    path = _model_path(work)
+    shape = SMOKE_MODEL if smoke else QWEN3_0_6B
+    if not (path / "config.json").is_file():
+        started = time.perf_counter()
+        build = dict(dtype=_dtype(), with_tokenizer=False, seed=0, **shape)
+        try:
+            with torch.device(_device()):  # random init on the GPU: seconds, not a minute
+                make_model(path, "qwen3", **build)
+        except Exception as e:  # a transformers that ignores the device context: the CPU
+            report.set(device_init_error=f"{type(e).__name__}: {e}")
+            make_model(path, "qwen3", **build)
+        word_tokenizer(shape["vocab_size"]).save_pretrained(path)
+        report.set(build_s=round(time.perf_counter() - started, 1))
+    size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    report.set(path=str(path), shape=shape, dtype=_dtype_name(), weight_bytes=size)
+    return True
+
+
+# -- kernels ---------------------------------------------------------------------------------------
+
+# Pairwise covering of GQA group x head dim x block size; each runs in bf16 and fp32.
+COVER = [(1, 64, 16), (1, 128, 32), (4, 64, 32), (4, 128, 16), (8, 64, 16), (8, 128, 32)]
+TOL = {torch.float32: dict(rtol=1e-3, atol=1e-3), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _kernel_cases(smoke: bool):
+    """(name, dtype, group, head_dim, block_size, sizes) for every check."""
+    dtypes = (torch.bfloat16, torch.float32)
+    cover = [(1, 64, 16), (4, 128, 32)] if smoke else COVER
+    big = dict(batch=64, max_ctx=2000, split_batch=2, prefix=1000, chunk=300, tokens=4096)
+    sizes = dict(batch=3, max_ctx=40, split_batch=2, prefix=20, chunk=9, tokens=8) if smoke else big
+    cases = []
+    for dtype in dtypes:
+        for i, (group, head_dim, bs) in enumerate(cover):
+            common = (dtype, group, head_dim, bs, sizes)
+            cases += [("decode", *common), ("decode_split", *common)]
+            cases += [("prefill_paged", *common), ("causal", *common)]
+            if i % 3 == 0 or smoke:
+                cases.append(("varlen", *common))
+            if group in (1, 8):
+                cases += [("rotary", *common), ("rotary_by_position", *common)]
+            if i < 4:
+                cases.append(("store_kv", *common))
+        for name in ("rms_norm", "add_rms_norm", "qk_rms_norm"):
+            cases.append((name, dtype, 1, 128, 16, sizes))
+    return cases
+
+
+def _check_kernel(name, dtype, group, head_dim, bs, sizes, gen) -> tuple[float, bool]:
+    """Runs one kernel and its reference on fresh random inputs; (max abs error, within tol).
+    Attention references run in float32 on the same (rounded) inputs."""
+    from kernels import paged_attention as ref_attn
+    from kernels import rms_norm as ref_norm
+    from kernels import rotary as ref_rope
+    from kernels import triton_attention as ta
+    from kernels import triton_norm_rope as tn
+
+    dev = _device()
+    num_kv = 2 if sizes["tokens"] < 100 else 8
+    num_q = num_kv * group
+    scale = head_dim**-0.5
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen, device=dev).to(dt)
+
+    def paged(lens, extra_columns=2):
+        width = max(-(-n // bs) for n in lens) + extra_columns
+        blocks = len(lens) * width + 1
+        kc = randn(blocks, bs, num_kv, head_dim)
+        vc = randn(blocks, bs, num_kv, head_dim)
+        perm = torch.randperm(blocks, generator=gen, device=dev)
+        return kc, vc, perm[: len(lens) * width].view(len(lens), width)
+
+    def lens_of(count, hi):
+        return torch.randint(1, hi + 1, (count,), generator=gen, device=dev)
+
+    tol = TOL[dtype]
+    if name in ("decode", "decode_split"):
+        count = sizes["batch"] if name == "decode" else sizes["split_batch"]
+        lens = lens_of(count, sizes["max_ctx"])
+        # The split case also pads the tables as the CUDA-graph path does (width from
+        # max_model_len): the launch grid comes from the width, work from the lengths.
+        kc, vc, tables = paged(lens.tolist(), 2 if name == "decode" else 64)
+        q = randn(count, num_q, head_dim)
+        got = ta.paged_decode_attention(q, kc, vc, tables, lens, scale)
+        want = ref_attn.paged_decode_attention(
+            q.float(), kc.float(), vc.float(), tables, lens, scale
+        )
+    elif name == "prefill_paged":
+        ctx = sizes["prefix"] + sizes["chunk"]
+        kc, vc, tables = paged([ctx])
+        q = randn(sizes["chunk"], num_q, head_dim)
+        got = ta.paged_prefill_attention(q, kc, vc, tables[0], ctx, scale)
+        want = ref_attn.paged_prefill_attention(
+            q.float(), kc.float(), vc.float(), tables[0], ctx, scale
+        )
+    elif name == "causal":
+        n = sizes["chunk"] * 2 + 1
+        q, k, v = randn(n, num_q, head_dim), randn(n, num_kv, head_dim), randn(n, num_kv, head_dim)
+        got = ta.causal_attention(q, k, v, scale)
+        want = ref_attn.causal_attention(q.float(), k.float(), v.float(), scale)
+    elif name == "varlen":
+        # A chunk over a cached prefix, a verify of 5, a decode and a prefill from 0, in one launch.
+        shapes = [(sizes["chunk"], sizes["prefix"] + sizes["chunk"]), (5, 33), (1, 70), (9, 9)]
+        kc, vc, tables = paged([ctx for _, ctx in shapes])
+        qlens = [n for n, _ in shapes]
+        q = randn(sum(qlens), num_q, head_dim)
+        cu = torch.tensor([0, *itertools.accumulate(qlens)], device=dev, dtype=torch.int32)
+        ctx_lens = torch.tensor([c for _, c in shapes], device=dev)
+        got = ta.paged_attention_varlen(q, kc, vc, tables, cu, ctx_lens, max(qlens), scale)
+        want = torch.cat(
+            [
+                ref_attn.paged_prefill_attention(
+                    q[cu[r] : cu[r + 1]].float(), kc.float(), vc.float(), tables[r], c, scale
+                )
+                for r, (_, c) in enumerate(shapes)
+            ]
+        )
+    elif name == "store_kv":
+        kc, vc, _ = paged([sizes["tokens"]])
+        k, v = randn(sizes["tokens"], num_kv, head_dim), randn(sizes["tokens"], num_kv, head_dim)
+        slots = torch.randperm(kc.shape[0] * bs, generator=gen, device=dev)[: sizes["tokens"]]
+        want_k, want_v = kc.clone(), vc.clone()
+        ref_attn.store_kv(want_k, want_v, k, v, slots)
+        ta.store_kv(kc, vc, k, v, slots)
+        got, want, tol = torch.stack([kc, vc]), torch.stack([want_k, want_v]), dict(rtol=0, atol=0)
+    elif name in ("rms_norm", "add_rms_norm", "qk_rms_norm"):
+        # Same-dtype references: the kernels mirror the reference's rounding steps.
+        hidden = 1024 if sizes["tokens"] > 100 else 64
+        shape = (
+            (sizes["tokens"], 16, head_dim) if name == "qk_rms_norm" else (sizes["tokens"], hidden)
+        )
+        x, w = randn(*shape), randn(shape[-1])
+        if name == "add_rms_norm":
+            res = randn(*shape)
+            got = torch.stack(tn.add_rms_norm(x, res, w, 1e-6))
+            want = torch.stack(ref_norm.add_rms_norm(x, res, w, 1e-6))
+        else:
+            got, want = tn.rms_norm(x, w, 1e-6), ref_norm.rms_norm(x, w, 1e-6)
+    else:  # rotary, rotary_by_position; Llama-3 scaled frequencies
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+        cos, sin = ref_rope.rope_cos_sin(ref_rope.rope_inv_freq(head_dim, 5e5, scaling), 16384)
+        cos, sin = cos.to(dev), sin.to(dev)
+        n = sizes["tokens"]
+        q, k = randn(n, num_q, head_dim), randn(n, num_kv, head_dim)
+        pos = torch.randint(0, 16384, (n,), generator=gen, device=dev)
+        want = torch.cat(ref_rope.apply_rotary(q, k, cos[pos].to(dtype), sin[pos].to(dtype)), 1)
+        if name == "rotary":
+            got = torch.cat(tn.apply_rotary(q, k, cos[pos].to(dtype), sin[pos].to(dtype)), 1)
+        else:
+            got = torch.cat(tn.apply_rotary_by_position(q, k, cos, sin, pos), 1)
+    got, want = got.float(), want.float()
+    err = (got - want).abs().nan_to_num(float("inf")).max().item()
+    return err, bool(torch.allclose(got, want, **tol))
+
+
+def phase_kernels(work: Path, smoke: bool, report: Report) -> bool:
+    if not _cuda() and os.environ.get("TRITON_INTERPRET") != "1":
+        report.set(skipped="no CUDA and TRITON_INTERPRET is not 1")
+        return True
+    from kernels import triton_attention as ta
+    from kernels import triton_norm_rope as tn
+
+    def nan_empty(shape, dtype, device):  # unwritten outputs cannot pass
+        return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+
+    ta._empty = tn._empty = nan_empty
+    ok = True
+    for i, (name, dtype, group, head_dim, bs, sizes) in enumerate(_kernel_cases(smoke)):
+        gen = torch.Generator(_device()).manual_seed(i)
+        case = dict(kernel=name, dtype=str(dtype), group=group, head_dim=head_dim, block_size=bs)
+        started = time.perf_counter()
+        try:
+            err, passed = _check_kernel(name, dtype, group, head_dim, bs, sizes, gen)
+        except Exception as e:
+            err, passed = None, False
+            case["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        ok = ok and passed
+        report.add(**case, max_abs_err=err, ok=passed, s=round(time.perf_counter() - started, 2))
+        print(f"kernels: {name} {dtype} G{group} D{head_dim} B{bs}: err {err} ok {passed}")
+    return ok
+
+
+# -- HF agreement ----------------------------------------------------------------------------------
+
+
+def phase_hf(work: Path, smoke: bool, report: Report) -> bool:
+    """Greedy agreement with HF in the same dtype, judged at a tolerance: stoker may pick another
+    token than HF only where HF's top-2 logit margin is within twice the measured logit error
+    there (a perturbation of at most e per logit cannot flip a wider margin)."""
+    from transformers import AutoModelForCausalLM
+
+    from common.sampling_params import SamplingParams
+    from services.worker.step_inputs import Chunk, build_step_inputs
+
+    dev, path = _device(), _model_path(work)
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    rng = random.Random(1)
+    lengths, new = ((5, 12, 30), 8) if smoke else ((17, 64, 100, 128), 32)
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype()).to(dev).eval()
+    hf_tokens, hf_logits = [], []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=dev)
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            hf_tokens.append(out[0, len(prompt) :].tolist())
+            hf_logits.append(hf(out).logits[0].float().cpu())  # teacher-forced, every position
+    del hf
+    _free()
+
+    llm = _llm(
+        work,
+        max_model_len=2048,
+        max_num_seqs=8,
+        enable_prefix_caching=False,  # the teacher-forced pass below reuses free blocks
+        **({"gpu_memory_utilization": 0.3} if _cuda() else {}),
+    )
+    runner = llm.engine.runner
+    if not _cuda():
+        runner.use_decode_graphs(capture=False)
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, logprobs=1)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    ok = True
+    for prompt, want_tokens, want_logits, out in zip(prompts, hf_tokens, hf_logits, outs):
+        seq = prompt + want_tokens
+        chunk = Chunk(seq, 0, list(range(-(-len(seq) // runner.block_size))), len(seq))
+        with torch.inference_mode():
+            inputs = build_step_inputs([chunk], runner.block_size, dev)
+            model = runner.model
+            hidden = model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+            got_logits = model.compute_logits(hidden[inputs.sample_rows]).float().cpu()
+        err = (got_logits - want_logits).abs().max(dim=-1).values  # per position
+        top2 = want_logits.topk(2, dim=-1).values
+        margin = top2[:, 0] - top2[:, 1]
+        agree = got_logits.argmax(-1) == want_logits.argmax(-1)
+        unexplained = int((~agree & (margin > 2 * err)).sum())
+        # Free-running generation (decode steps through the CUDA-graph path): first divergence.
+        first = next(
+            (i for i, (a, b) in enumerate(zip(out.token_ids, want_tokens)) if a != b), None
+        )
+        lp_err = 0.0
+        hf_lp = torch.log_softmax(want_logits, dim=-1)
+        for i in range(first if first is not None else new):
+            pos = len(prompt) - 1 + i
+            lp_err = max(lp_err, abs(out.logprobs[i].logprob - hf_lp[pos, want_tokens[i]].item()))
+        diverged_ok = True
+        record = dict(
+            prompt_len=len(prompt),
+            max_abs_logit_err=round(err.max().item(), 4),
+            mean_abs_logit_err=round((got_logits - want_logits).abs().mean().item(), 5),
+            teacher_forced_argmax_agreement=round(agree.float().mean().item(), 4),
+            unexplained_disagreements=unexplained,
+            generated_identical=first is None,
+            decode_logprob_max_err=round(lp_err, 4),
+        )
+        if first is not None:
+            pos = len(prompt) - 1 + first
+            bound = 2 * max(err[pos].item(), lp_err)
+            diverged_ok = margin[pos].item() <= bound
+            record.update(
+                first_divergence=first,
+                hf_margin_there=round(margin[pos].item(), 4),
+                allowed_margin=round(bound, 4),
+            )
+        passed = unexplained == 0 and diverged_ok
+        ok = ok and passed
+        report.add(**record, ok=passed)
+        print("hf:", record)
+    return ok
+
+
+# -- batch-1 decode --------------------------------------------------------------------------------
+
+
+def phase_decode(work: Path, smoke: bool, report: Report) -> bool:
+    from common.sampling_params import SamplingParams
+    from services.worker.step_inputs import Chunk
+
+    dev = _device()
+    vocab = json.loads((_model_path(work) / "config.json").read_text())["vocab_size"]
+    prompt = [random.Random(2).randrange(3, vocab) for _ in range(16 if smoke else 128)]
+    new = 8 if smoke else 256
+    weights = sum(f.stat().st_size for f in _model_path(work).glob("*.safetensors"))
+    bandwidth = copy_bandwidth(64 * 1024**2 if smoke else 2 * 1024**3)
+    report.set(
+        weight_bytes=weights,
+        copy_gb_s=round(bandwidth / 1e9, 1),
+        weight_read_floor_ms=round(weights / bandwidth * 1e3, 3),
+        hf_reference_ms=HF_DECODE_MS,
+        target_ms=1.0,
+    )
+    tokens = {}
+    for graphs in (True, False):
+        llm = _llm(
+            work, max_model_len=2048, max_num_seqs=1, num_kv_blocks=256, enforce_eager=not graphs
+        )
+        runner = llm.engine.runner
+        if graphs and not _cuda():
+            runner.use_decode_graphs(capture=False)
+        greedy = dict(temperature=0.0, ignore_eos=True)
+        llm.generate([prompt], SamplingParams(max_tokens=16, **greedy), use_tqdm=False)  # warm-up
+        steps = StepTimes(runner)
+        per_token = []
+        for _ in range(3):  # ms/token = (time for `new` tokens - time for 1) / (new - 1)
+            started = time.perf_counter()
+            llm.generate([prompt], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
+            first = time.perf_counter() - started
+            steps.reset()
+            started = time.perf_counter()
+            out = llm.generate([prompt], SamplingParams(max_tokens=new, **greedy), use_tqdm=False)
+            per_token.append((time.perf_counter() - started - first) / (new - 1))
+        tokens[graphs] = out[0].token_ids
+        # The model forward alone at batch 1, context ~len(prompt): replay vs eager launches.
+        blocks = list(range(-(-(len(prompt) + 1) // runner.block_size)))
+        forward = _batch1_forward(runner, Chunk([5], len(prompt), blocks, 1), dev)
+        with torch.inference_mode():
+            forward_s = bench(forward, iters=5 if smoke else 100)
+        report.add(
+            cuda_graphs=graphs,
+            captured=runner.graphs is not None and runner.graphs._entries[1].graph is not None,
+            ms_per_token=round(min(per_token) * 1e3, 3),
+            ms_per_token_runs=[round(t * 1e3, 3) for t in per_token],
+            forward_only_ms=round(forward_s * 1e3, 3),
+            **steps.summary(),
+        )
+        print("decode:", report.data["records"][-1])
+        del llm, runner
+        _free()
+    report.set(identical_tokens_with_and_without_graphs=tokens[True] == tokens[False])
+    return True
+
+
+def _batch1_forward(runner, chunk, dev: torch.device) -> Callable[[], object]:
+    """The model forward alone for one decode row: the graph replay, or the eager launches."""
+    from services.worker.step_inputs import build_step_inputs
+
+    if runner.graphs is not None:
+        with torch.inference_mode():
+            runner.graphs.prepare([chunk])
+        entry, _ = runner.graphs._pending
+        if entry.graph is not None:
+            return entry.graph.replay
+        return lambda: runner.graphs._forward(entry)
+    inputs = build_step_inputs([chunk], runner.block_size, dev)
+    model, caches = runner.model, runner.kv_caches
+    return lambda: model(inputs.input_ids, inputs.positions, caches, inputs.meta)
+
+
+# -- throughput ------------------------------------------------------------------------------------
+
+
+def nano_vllm_workload(smoke: bool):
+    """nano-vllm's bench.py: seed 0, 256 prompts of randint(0, 10000) ids with lengths
+    randint(100, 1024), then temperature 0.6, ignore_eos, max_tokens randint(100, 1024)."""
+    from common.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    count, lo, hi, top_id = (8, 5, 30, 1000) if smoke else (256, 100, 1024, 10000)
+    prompts = [[rng.randint(0, top_id) for _ in range(rng.randint(lo, hi))] for _ in range(count)]
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(lo, hi))
+        for _ in range(count)
+    ]
+    return prompts, params
+
+
+def phase_throughput(work: Path, smoke: bool, report: Report) -> bool:
+    from common.sampling_params import SamplingParams
+
+    prompts, params = nano_vllm_workload(smoke)
+    started = time.perf_counter()
+    options = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384)
+    if smoke:
+        options = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+    llm = _llm(work, **options)
+    runner = llm.engine.runner
+    if not _cuda():
+        runner.use_decode_graphs(capture=False)
+    report.set(
+        init_s=round(time.perf_counter() - started, 1),
+        num_kv_blocks=runner.num_blocks,
+        options=options,
+        hf_generate_batch_tok_s=HF_GENERATE_BATCH_TOK_S,
+        target_tok_s=25000,
+    )
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    steps = StepTimes(runner)
+    replays = runner.graphs.num_replays if runner.graphs else 0
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    report.set(
+        requests=len(prompts),
+        prompt_tokens=sum(len(p) for p in prompts),
+        output_tokens=out_tokens,
+        seconds=round(seconds, 2),
+        output_tok_s=round(out_tokens / seconds, 1),
+        graph_steps=(runner.graphs.num_replays - replays) if runner.graphs else 0,
+        preemptions=llm.engine.scheduler.num_preemptions,
+        **steps.summary(),
+    )
+    print("throughput:", {k: v for k, v in report.data.items() if k != "records"})
+    return out_tokens == sum(p.max_tokens for p in params)
+
+
+# -- kernel timing ---------------------------------------------------------------------------------
+
+
+def phase_timing(work: Path, smoke: bool, report: Report) -> bool:
+    """Each kernel as the model calls it (kernels.dispatch: triton on CUDA), against the time its
+    bytes take at the measured device copy bandwidth."""
+    from kernels import dispatch
+    from kernels.rotary import rope_cos_sin, rope_inv_freq
+
+    dev, dtype = _device(), _dtype()
+    elem = torch.tensor([], dtype=dtype).element_size()
+    bandwidth = copy_bandwidth(64 * 1024**2 if smoke else 2 * 1024**3)
+    report.set(
+        copy_gb_s=round(bandwidth / 1e9, 1),
+        backend=dispatch.backend_for(torch.empty(1, dtype=dtype, device=dev)),
+    )
+    gen = torch.Generator(dev).manual_seed(0)
+    num_q, num_kv, head_dim, hidden, bs = (4, 2, 32, 64, 16) if smoke else (16, 8, 128, 1024, 16)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=dev).to(dtype)
+
+    def record(name: str, nbytes: int, fn: Callable[[], object], **shape) -> None:
+        seconds = bench(fn, iters=3 if smoke else 50)
+        floor = nbytes / bandwidth
+        report.add(
+            kernel=name,
+            **shape,
+            us=round(seconds * 1e6, 2),
+            floor_us=round(floor * 1e6, 2),
+            of_floor=round(floor / seconds, 3),
+            gb_s=round(nbytes / seconds / 1e9, 1),
+        )
+        print("timing:", report.data["records"][-1])
+
+    ctx = 64 if smoke else 1024
+    for batch in (1, 4) if smoke else (1, 64, 256):
+        for width_from in ("context", "max_model_len_2048"):
+            width = -(-ctx // bs) if width_from == "context" else -(-2048 // bs)
+            blocks = batch * width + 1
+            kc, vc = randn(blocks, bs, num_kv, head_dim), randn(blocks, bs, num_kv, head_dim)
+            tables = torch.randperm(blocks, generator=gen, device=dev)[: batch * width]
+            tables = tables.view(batch, width)
+            lens = torch.full((batch,), ctx, device=dev)
+            q = randn(batch, num_q, head_dim)
+            nbytes = (2 * batch * ctx * num_kv + 2 * batch * num_q) * head_dim * elem
+            record(
+                "paged_decode_attention",
+                nbytes,
+                lambda q=q, kc=kc, vc=vc, t=tables, n=lens: dispatch.paged_decode_attention(
+                    q, kc, vc, t, n, 0.1
+                ),
+                batch=batch,
+                context=ctx,
+                table_width_from=width_from,
+            )
+    for tokens in (1, 256) if smoke else (1, 256, 4096):
+        x, res, w = randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
+        record(
+            "rms_norm",
+            (2 * tokens + 1) * hidden * elem,
+            lambda x=x, w=w: dispatch.rms_norm(x, w, 1e-6),
+            tokens=tokens,
+        )
+        record(
+            "add_rms_norm",
+            (4 * tokens + 1) * hidden * elem,
+            lambda x=x, r=res, w=w: dispatch.add_rms_norm(x, r, w, 1e-6),
+            tokens=tokens,
+        )
+        qk = randn(tokens, num_q, head_dim)
+        record(
+            "qk_rms_norm",
+            (2 * tokens * num_q + 1) * head_dim * elem,
+            lambda x=qk, w=randn(head_dim): dispatch.rms_norm(x, w, 1e-6),
+            tokens=tokens,
+        )
+        cos, sin = rope_cos_sin(rope_inv_freq(head_dim, 1e6, None), 4096)
+        pos = torch.randint(0, 4096, (tokens,), generator=gen, device=dev)
+        cos, sin = cos.to(dev)[pos].to(dtype), sin.to(dev)[pos].to(dtype)
+        q, k = randn(tokens, num_q, head_dim), randn(tokens, num_kv, head_dim)
+        record(
+            "apply_rotary",
+            (2 * (num_q + num_kv) + 2) * tokens * head_dim * elem,
+            lambda q=q, k=k, c=cos, s=sin: dispatch.apply_rotary(q, k, c, s),
+            tokens=tokens,
+        )
+    return True
+
+
+# -- driver ----------------------------------------------------------------------------------------
+
+
+def merge(work: Path, out: Path) -> int:
+    """Every phase's JSON and exit status in one file; exit 0 only if every phase passed."""
+    summary: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "phases": {}}
+    all_ok = True
+    for phase in PHASES:
+        path, rc_path = work / f"{phase}.json", work / f"{phase}.rc"
+        data = json.loads(path.read_text()) if path.is_file() else {"ok": None}
+        status = rc_path.read_text().split() if rc_path.is_file() else ["not-run", "0"]
+        data["exit"], data["wall_s"] = status[0], float(status[1])
+        if status[0] == "124":
+            data["timed_out"] = True
+        all_ok = all_ok and data.get("ok") is True
+        summary["phases"][phase] = data
+    summary["ok"] = all_ok
+    out.write_text(json.dumps(summary, indent=1, default=str))
+    for phase, data in summary["phases"].items():
+        print(f"{phase:11s} ok={data.get('ok')} exit={data['exit']} wall={data['wall_s']:.0f}s")
+    return 0 if all_ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("phase", choices=[*PHASES, "merge"])
+    ap.add_argument("--work", type=Path, required=True, help="model folder and per-phase JSON")
+    ap.add_argument("--out", type=Path, help="merge: the combined JSON")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU")
+    args = ap.parse_args(argv)
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.phase == "merge":
+        return merge(args.work, args.out or args.work / "gpu_check.json")
+    if not _cuda() and not args.smoke:
+        print("gpu_check: no CUDA device; use --smoke for the CPU check", file=sys.stderr)
+        return 2
+    if not _cuda():
+        torch.set_num_threads(1)  # tiny shapes: threads only add barrier waits on a busy box
+    report = Report(args.work / f"{args.phase}.json", args.phase, args.smoke)
+    run = globals()[f"phase_{args.phase}"]
+    try:
+        ok = run(args.work, args.smoke, report)
+    except Exception as e:
+        traceback.print_exc()
+        report.set(error=f"{type(e).__name__}: {e}")
+        ok = False
+    report.set(ok=ok)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

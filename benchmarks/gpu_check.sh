@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 7 in one run of under 8 minutes on a lent H200 (nvidia-h200: Python
+# 3.12 with torch, triton, transformers; no network). Phases, each its own process under a hard
+# timeout, so one failing or hanging leaves the others' results (benchmarks/gpu_check.py):
+#   model       the Qwen3-0.6B-shaped random-init bf16 folder (hidden 1024, 28 layers, 16/8
+#               heads of 128, intermediate 3072, vocab 151936, tied) with a word tokenizer
+#   kernels     every triton kernel against its torch reference (bf16/fp32, GQA 1/4/8, head dim
+#               64/128, block size 16/32)
+#   hf          greedy agreement with HF in bf16, tolerance-based on logits
+#   decode      batch-1 decode ms/token with and without CUDA graphs
+#   throughput  nano-vllm workload: 256 requests, in/out lengths uniform 100-1024, seed 0
+#   timing      decode attention / RMSNorm / rotary against the copy-bandwidth floor
+# Results: $OUT/gpu_check.json (every phase, with exit status and wall time) and
+# $OUT/gpu_check.log. Exit status 0 only if every phase passed.
+#
+# The image lacks msgspec (stoker's message structs, imported on the engine path), pyzmq,
+# starlette and uvicorn. Fill .whl/ here first (git-ignored) with scripts/fetch_gpu_wheels.sh,
+# which runs exactly:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     --platform manylinux1_x86_64 -d .whl msgspec==0.23.0 pyzmq==27.3.0 starlette==1.10.0 \
+#     uvicorn==0.54.0
+# Then, with the device tool: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"],
+# timeout_s=540).
+#
+# On CPU: `PYTHON=.venv/bin/python benchmarks/gpu_check.sh --smoke` runs every phase at tiny
+# shapes (no wheels installed; TRITON_INTERPRET=1 adds the kernel phase under the interpreter).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SMOKE=()
+[ "${1:-}" = "--smoke" ] && SMOKE=(--smoke)
+PY=${PYTHON:-python3}
+OUT=${OUT:-$PWD/.gpu_check}
+WORK=${GPU_CHECK_WORK:-/tmp/stoker-gpu-check}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-450}  # all phases together; the device command limit is 600
+mkdir -p "$OUT" "$WORK"
+rm -f "$WORK"/*.json "$WORK"/*.rc
+LOG=$OUT/gpu_check.log
+exec > >(tee "$LOG") 2>&1
+start=$SECONDS
+
+if [ ${#SMOKE[@]} -eq 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
+  # As the device README says: into /tmp/site, first on PYTHONPATH.
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
+  --format=csv
+"$PY" -c 'import torch, transformers; print("torch", torch.__version__, "cuda",
+torch.version.cuda, "transformers", transformers.__version__)'
+"$PY" -c 'import triton; print("triton", triton.__version__)' 2>/dev/null || echo "no triton"
+
+# phase, cap in seconds; each gets min(cap, what is left of the budget).
+PLAN=("model 90" "kernels 150" "hf 120" "decode 120" "throughput 180" "timing 60")
+for entry in "${PLAN[@]}"; do
+  read -r phase cap <<<"$entry"
+  left=$((BUDGET_S - (SECONDS - start)))
+  limit=$((cap < left ? cap : left))
+  if [ "$limit" -lt 15 ]; then
+    echo "== $phase: skipped, budget spent"
+    echo "skipped 0" >"$WORK/$phase.rc"
+    continue
+  fi
+  echo "== $phase (limit ${limit}s) at +$((SECONDS - start))s"
+  t0=$SECONDS
+  timeout -k 10 "$limit" "$PY" benchmarks/gpu_check.py "$phase" --work "$WORK" "${SMOKE[@]}"
+  rc=$?
+  echo "$rc $((SECONDS - t0))" >"$WORK/$phase.rc"
+  echo "== $phase: exit $rc after $((SECONDS - t0))s"
+done
+"$PY" benchmarks/gpu_check.py merge --work "$WORK" --out "$OUT/gpu_check.json"
+rc=$?
+echo "== total $((SECONDS - start))s; results in $OUT/gpu_check.json"
+exit $rc
