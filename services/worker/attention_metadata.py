@@ -19,8 +19,10 @@ class PrefillSpan:
 
 @dataclasses.dataclass
 class AttentionMetadata:
-    """The step's tokens are laid out decode-first: rows [0, num_decode) hold one token per
-    decoding request; prefill chunks follow, described by `prefills`."""
+    """The step's tokens are laid out decode-first: rows [0, num_decode) are single query
+    positions, each attending to its own context through its own block table row (a decoding
+    request, or one position of a short chunk such as a speculative verify); prefill chunks
+    follow, described by `prefills`."""
 
     slot_mapping: torch.Tensor  # [T] flat KV slot for each token
     num_decode: int

@@ -1,8 +1,8 @@
 """Flatten one step's chunks of tokens into model inputs and attention metadata.
 
-Shared by the target model and the draft model. Chunks of one token go first (the decode
-path), longer chunks follow as prefill spans; each chunk says how many of its last positions
-need logits.
+Shared by the target model and the draft model. Short chunks go first, on the decode path (one
+row per position); longer chunks follow as prefill spans. Each chunk says how many of its last
+positions need logits.
 """
 
 from __future__ import annotations
@@ -32,14 +32,23 @@ class StepInputs:
     sample_ranges: list[tuple[int, int]]  # per chunk, in the given order: its rows in the logits
 
 
+# Chunks up to this many tokens (decodes, speculative verifies of k + 1 positions, short prompt
+# chunks) run on the decode path with one row per position, each with its own context length:
+# the paged decode kernels read the cache in place, where a prefill span gathers the context
+# and builds a mask.
+MAX_DECODE_CHUNK = 16
+
+
 def build_step_inputs(chunks: list[Chunk], block_size: int, device: torch.device) -> StepInputs:
     bs = block_size
-    order = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
-    num_decode = len(order)
-    order += [i for i, c in enumerate(chunks) if len(c.token_ids) != 1]
+    short = [len(c.token_ids) <= MAX_DECODE_CHUNK for c in chunks]
+    order = [i for i, c in enumerate(chunks) if short[i]]
+    num_short = len(order)
+    order += [i for i, c in enumerate(chunks) if not short[i]]
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
+    decode_rows: list[tuple[list[int], int]] = []  # (block table, context length) per query row
     hidden_rows: dict[int, tuple[int, int]] = {}  # chunk index -> its rows in the flat batch
     spans: list[PrefillSpan] = []
     for rank, i in enumerate(order):
@@ -47,10 +56,11 @@ def build_step_inputs(chunks: list[Chunk], block_size: int, device: torch.device
         start_row = len(input_ids)
         end_pos = chunk.start + len(chunk.token_ids)
         input_ids.extend(chunk.token_ids)
-        if rank < num_decode:
-            pos = chunk.start
-            positions.append(pos)
-            slots.append(chunk.block_ids[pos // bs] * bs + pos % bs)
+        if rank < num_short:
+            for pos in range(chunk.start, end_pos):
+                positions.append(pos)
+                slots.append(chunk.block_ids[pos // bs] * bs + pos % bs)
+                decode_rows.append((chunk.block_ids, pos + 1))
         else:
             pos_arr = np.arange(chunk.start, end_pos)
             positions.extend(pos_arr.tolist())
@@ -62,15 +72,15 @@ def build_step_inputs(chunks: list[Chunk], block_size: int, device: torch.device
             spans.append(PrefillSpan(start_row, len(input_ids), end_pos, table))
         hidden_rows[i] = (start_row, len(input_ids))
 
+    num_decode = len(decode_rows)
     decode_tables = decode_lens = None
     if num_decode:
-        decodes = [chunks[i] for i in order[:num_decode]]
-        max_blocks = max(len(c.block_ids) for c in decodes)
+        max_blocks = max(len(ids) for ids, _ in decode_rows)
         table = np.zeros((num_decode, max_blocks), dtype=np.int64)
-        for row, c in enumerate(decodes):
-            table[row, : len(c.block_ids)] = c.block_ids
+        for row, (ids, _) in enumerate(decode_rows):
+            table[row, : len(ids)] = ids
         decode_tables = torch.from_numpy(table).to(device)
-        decode_lens = torch.tensor([c.start + 1 for c in decodes], device=device)
+        decode_lens = torch.tensor([n for _, n in decode_rows], device=device)
 
     sample_rows: list[int] = []
     for i, chunk in enumerate(chunks):

@@ -462,7 +462,10 @@ def test_tiny_model_forced_triton_matches_torch(tmp_path, monkeypatch):
     )
     monkeypatch.setattr(cpu_ops, "paged_decode_attention", lambda *args: None)  # no native build
     prefix = [(7 * i) % 400 + 3 for i in range(37)]
-    prompts = [prefix + [11, 12, 13], prefix + [21, 22], [5, 6, 7, 8, 9], prefix[:20] + [99]]
+    # Chunks of at most 16 tokens after a prefix take the decode path (step_inputs); the 20-token
+    # tail after a prefix hit keeps the paged prefill path covered.
+    tail = list(range(21, 41))
+    prompts = [prefix + [11, 12, 13], prefix + tail, [5, 6, 7, 8, 9], prefix[:20] + [99]]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
     options = dict(num_kv_blocks=48, block_size=16, max_num_batched_tokens=32, max_model_len=128)
 

@@ -1,0 +1,64 @@
+"""Step layout: short chunks (decodes, verifies, short prompts) become decode rows, one per
+position with its own context length; long chunks become prefill spans."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.paged_attention import paged_decode_attention, paged_prefill_attention, store_kv
+from services.worker.step_inputs import MAX_DECODE_CHUNK, Chunk, build_step_inputs
+
+BS = 4
+
+
+def test_short_chunks_become_decode_rows_and_long_ones_prefill_spans():
+    long = Chunk(list(range(100, 100 + MAX_DECODE_CHUNK + 1)), 0, [7, 8, 9, 10, 11], 1)
+    decode = Chunk([5], 9, [1, 2, 3], 1)
+    verify = Chunk([6, 60, 61, 62], 6, [4, 5, 6], 4)  # positions 6..9, all four sampled
+    short_prompt = Chunk([1, 2, 3], 0, [12], 1)
+    inputs = build_step_inputs([long, decode, verify, short_prompt], BS, torch.device("cpu"))
+    meta = inputs.meta
+
+    assert meta.num_decode == 1 + 4 + 3
+    assert inputs.input_ids[: meta.num_decode].tolist() == [5, 6, 60, 61, 62, 1, 2, 3]
+    assert inputs.positions[: meta.num_decode].tolist() == [9, 6, 7, 8, 9, 0, 1, 2]
+    assert meta.decode_context_lens.tolist() == [10, 7, 8, 9, 10, 1, 2, 3]
+    tables = meta.decode_block_tables.tolist()
+    assert tables[0][:3] == [1, 2, 3] and all(row[:3] == [4, 5, 6] for row in tables[1:5])
+    assert inputs.meta.slot_mapping[:5].tolist() == [
+        3 * BS + 1,
+        5 * BS + 2,
+        5 * BS + 3,
+        6 * BS,
+        6 * BS + 1,
+    ]
+    (span,) = meta.prefills
+    assert (span.start, span.end, span.context_len) == (8, 8 + len(long.token_ids), 17)
+    # Logits rows follow the chunks' given order: long (last position), decode, verify x4, short.
+    assert inputs.sample_rows.tolist() == [span.end - 1, 0, 1, 2, 3, 4, 7]
+    assert inputs.sample_ranges == [(0, 1), (1, 2), (2, 6), (6, 7)]
+
+
+def test_verify_rows_on_the_decode_path_equal_prefill_attention_over_the_prefix():
+    gen = torch.Generator().manual_seed(0)
+    hq, hk, d, num_blocks = 4, 2, 16, 8
+    kc = torch.zeros(num_blocks, BS, hk, d)
+    vc = torch.zeros(num_blocks, BS, hk, d)
+    blocks, context = [3, 6, 1, 4], 13  # a 9-token prefix, then a 4-position verify chunk
+    positions = torch.arange(context)
+    slots = torch.tensor(blocks)[positions // BS] * BS + positions % BS
+    store_kv(
+        kc,
+        vc,
+        torch.randn(context, hk, d, generator=gen),
+        torch.randn(context, hk, d, generator=gen),
+        slots,
+    )
+    chunk = Chunk([1, 2, 3, 4], context - 4, blocks, 4)
+    meta = build_step_inputs([chunk], BS, torch.device("cpu")).meta
+    q = torch.randn(4, hq, d, generator=gen)
+    rows = paged_decode_attention(
+        q, kc, vc, meta.decode_block_tables, meta.decode_context_lens, d**-0.5
+    )
+    span = paged_prefill_attention(q, kc, vc, torch.tensor(blocks), context, d**-0.5)
+    torch.testing.assert_close(rows, span, rtol=1e-5, atol=1e-5)
