@@ -3,10 +3,11 @@
 // padded copy first (one extra write and read of the whole KV context per layer per step); at
 // batch 64 that copy costs more than the attention itself, so this kernel exists.
 //
-// One task per (request, kv head). The G query heads of a GQA group share every K/V row read;
-// head_dim and G are template parameters so accumulators stay in registers. Context is walked 16
-// tokens at a time with an online softmax: 16 dot products reduced together by a butterfly, one
-// vectorised exp, then the V rows of the same 16 tokens, with the next 16 rows prefetched. The
+// One task per request (per (request, kv head) when there are too few requests to share out).
+// The G query heads of a GQA group share every K/V row read; head_dim and G are template
+// parameters so the working accumulators stay in registers. Context is walked 16 tokens at a time
+// with an online softmax: per kv head, 16 dot products reduced together by a butterfly, one
+// vectorised exp, then the V rows of the same 16 tokens; the next 16 rows are prefetched. The
 // vector code uses GCC/Clang vector extensions (16 floats), which lower to AVX-512, AVX2 or SSE.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -96,16 +97,19 @@ inline float hsum(v16 v) {
 // chunk's K and V rows are read back to back.
 template <int D, int G>
 void attend(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t L,
-            int64_t BS, int64_t row, float sc, float* out) {
+            int64_t BS, int64_t row, int64_t nh, float sc, float* out) {
+  // nh kv heads of one request: q/out hold nh * G query heads; kc/vc point at the first head.
   constexpr int C = D / 16;
+  constexpr int MAXH = 16;  // the caller splits heads into single-head tasks beyond this
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  v16 qs[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) qs[g][c] = load(q + g * D + 16 * c) * sc;
-  v16 acc[G][C] = {};
-  float m[G], l[G];
-  for (int g = 0; g < G; ++g) m[g] = neg_inf, l[g] = 0.f;
-  int64_t block = 0, offset = 0;  // position of token t0 in the block table
+  v16 acc[MAXH][G][C];
+  float m[MAXH][G], l[MAXH][G];
+  for (int64_t h = 0; h < nh; ++h)
+    for (int g = 0; g < G; ++g) {
+      m[h][g] = neg_inf, l[h][g] = 0.f;
+      for (int c = 0; c < C; ++c) acc[h][g][c] = v16{};
+    }
+  int64_t block = 0, offset = 0;
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
     int64_t slots[16];
@@ -113,56 +117,68 @@ void attend(const float* q, const float* kc, const float* vc, const int64_t* tab
       slots[i] = (table[block] * BS + offset) * row;
       if (++offset == BS) offset = 0, ++block;
     }
-    // The next chunk's rows: blocks sit anywhere in the pool, so the hardware prefetcher
-    // cannot guess them.
     {
       int64_t nb = block, no = offset;
       const int nn = static_cast<int>(std::min<int64_t>(16, L - t0 - n));
       for (int i = 0; i < nn; ++i) {
         const int64_t slot = (table[nb] * BS + no) * row;
-        for (int c = 0; c < D; c += 16) {
+        for (int64_t c = 0; c < nh * D; c += 16) {
           __builtin_prefetch(kc + slot + c);
           __builtin_prefetch(vc + slot + c);
         }
         if (++no == BS) no = 0, ++nb;
       }
     }
-    float p[G][16];
-    for (int g = 0; g < G; ++g) {
-      v16 part[16];
-      for (int i = 0; i < 16; ++i) {
-        v16 a = {};
-        if (i < n) {
-          const float* k = kc + slots[i];
-          for (int c = 0; c < C; ++c) a += qs[g][c] * load(k + 16 * c);
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* qh = q + h * G * D;
+      const float* kh = kc + h * D;
+      const float* vh = vc + h * D;
+      float p[G][16];
+      for (int g = 0; g < G; ++g) {
+        v16 qs[C];
+        for (int c = 0; c < C; ++c) qs[c] = load(qh + g * D + 16 * c) * sc;
+        v16 part[16];
+        for (int i = 0; i < 16; ++i) {
+          v16 a = {};
+          if (i < n) {
+            const float* k = kh + slots[i];
+            for (int c = 0; c < C; ++c) a += qs[c] * load(k + 16 * c);
+          }
+          part[kBitrev4[i]] = a;
         }
-        part[kBitrev4[i]] = a;
+        v16 s = reduce16(part);
+        for (int i = n; i < 16; ++i) s[i] = neg_inf;
+        const float m_new = std::max(m[h][g], hmax(s));
+        const float alpha = std::exp(m[h][g] - m_new);
+        v16 e = vexp(s - m_new);
+        for (int i = n; i < 16; ++i) e[i] = 0.f;
+        l[h][g] = l[h][g] * alpha + hsum(e);
+        m[h][g] = m_new;
+        for (int c = 0; c < C; ++c) acc[h][g][c] *= alpha;
+        store(p[g], e);
       }
-      v16 s = reduce16(part);
-      for (int i = n; i < 16; ++i) s[i] = neg_inf;
-      const float m_new = std::max(m[g], hmax(s));
-      const float alpha = std::exp(m[g] - m_new);  // 0 on the first chunk
-      v16 e = vexp(s - m_new);
-      for (int i = n; i < 16; ++i) e[i] = 0.f;
-      l[g] = l[g] * alpha + hsum(e);
-      m[g] = m_new;
-      for (int c = 0; c < C; ++c) acc[g][c] *= alpha;
-      store(p[g], e);
-    }
-    for (int i = 0; i < n; ++i) {
-      const float* v = vc + slots[i];
-      v16 vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load(v + 16 * c);
+      v16 a[G][C];
       for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c) acc[g][c] += p[g][i] * vv[c];
+        for (int c = 0; c < C; ++c) a[g][c] = acc[h][g][c];
+      for (int i = 0; i < n; ++i) {
+        const float* v = vh + slots[i];
+        v16 vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = load(v + 16 * c);
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < C; ++c) a[g][c] += p[g][i] * vv[c];
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c) acc[h][g][c] = a[g][c];
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) store(out + g * D + 16 * c, acc[g][c] * (1.f / l[g]));
+  for (int64_t h = 0; h < nh; ++h)
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c)
+        store(out + (h * G + g) * D + 16 * c, acc[h][g][c] * (1.f / l[h][g]));
 }
 
 using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
-                          int64_t, int64_t, float, float*);
+                          int64_t, int64_t, int64_t, float, float*);
 
 template <int D>
 AttendFn pick_g(int64_t G) {
@@ -217,11 +233,16 @@ torch::Tensor paged_decode_attention(
   float* o = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
 
-  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t end) {
+  // Tasks: (request, group of kv heads). All heads of a request in one task read each block's
+  // rows whole (contiguous); with few requests, split heads so every thread has work.
+  const int64_t threads = at::get_num_threads();
+  const int64_t nh = (B >= 4 * threads && Hk <= 16) ? Hk : 1;
+  const int64_t groups = Hk / nh;
+  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / Hk, h = idx % Hk;
-      fn(q + (b * Hq + h * G) * D, kc + h * D, vc + h * D, bt + b * MB, lens[b], BS, Hk * D, sc,
-         o + (b * Hq + h * G) * D);
+      const int64_t b = idx / groups, h = (idx % groups) * nh;
+      fn(q + (b * Hq + h * G) * D, kc + h * D, vc + h * D, bt + b * MB, lens[b], BS, Hk * D, nh,
+         sc, o + (b * Hq + h * G) * D);
     }
   });
   return out;

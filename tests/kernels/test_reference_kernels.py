@@ -99,9 +99,10 @@ def test_store_kv_writes_exactly_the_slots():
     "hq, hk, d, block_size",
     [(12, 4, 64, 16), (8, 8, 32, 16), (16, 2, 128, 32), (4, 2, 16, 8), (8, 1, 256, 16)],
 )
-def test_native_decode_matches_reference(hq, hk, d, block_size):
-    # Context lengths around the kernel's 16-token chunks and the block boundaries.
-    lens = [1, 5, 15, 16, 17, 33, 100, 257]
+@pytest.mark.parametrize("lens", [[1, 5, 15, 16, 17, 33, 100, 257], [40], [3, 77]])
+def test_native_decode_matches_reference(hq, hk, d, block_size, lens):
+    # Context lengths around the kernel's 16-token chunks and the block boundaries; few requests
+    # take the kernel's one-task-per-kv-head split, many its one-task-per-request path.
     kc, vc, tables = _paged_setup(len(lens), hq, hk, d, block_size, lens, seed=3)
     q = torch.randn(len(lens), hq, d) * 3  # peaky softmax: the online max rescaling matters
     args = (q, kc, vc, tables, torch.tensor(lens), d**-0.5)
