@@ -34,7 +34,10 @@ def load() -> ModuleType | None:
                 _module = build(
                     build_directory=str(build_dir),
                     name="stoker_cpu_kernels",
-                    sources=[str(_SOURCES / "paged_decode_attention.cpp")],
+                    sources=[
+                        str(_SOURCES / name)
+                        for name in ("bindings.cpp", "paged_decode_attention.cpp", "norm_rope.cpp")
+                    ],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],
                     verbose=False,
@@ -62,3 +65,36 @@ def paged_decode_attention(
     return module.paged_decode_attention(
         query, key_cache, value_cache, block_tables, context_lens, scale
     )
+
+
+def _native_rows(*tensors: torch.Tensor) -> ModuleType | None:
+    """The module when every tensor is a CPU float32 one and the native build exists."""
+    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+        return None
+    return load()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    module = _native_rows(x, weight)
+    if module is None or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    return module.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    module = _native_rows(x, residual, weight)
+    if module is None or x.dim() != 2 or x.stride(1) != 1 or residual.stride(-1) != 1:
+        return None
+    return module.add_rms_norm(x, residual, weight, eps)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """New rotated (q, k), read from views into the qkv projection; None: use the reference."""
+    module = _native_rows(q, k, cos, sin)
+    if module is None or q.stride(-1) != 1 or k.stride(-1) != 1:
+        return None
+    return module.apply_rotary(q, k, cos, sin)

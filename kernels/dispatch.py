@@ -5,6 +5,7 @@ Every function here has the signature of its torch reference (`paged_attention.p
 - the torch reference when `STOKER_FORCE_TORCH_KERNELS=1` is set (read at call time);
 - triton when the deciding tensor is on CUDA, has a dtype the kernels take (float16, bfloat16,
   float32) and triton imports;
+- on CPU in float32, the native C++ kernels (`cpu_ops.py`) where they apply and are built;
 - the torch reference otherwise (CPU, or no triton installed). Triton is never used on CPU
   unless `force_backend("triton")` says so: tests do that under `TRITON_INTERPRET=1`, which must
   be set before triton is first imported.
@@ -28,6 +29,7 @@ from types import ModuleType
 
 import torch
 
+from kernels import cpu_ops
 from kernels import paged_attention as _ref_attn
 from kernels import rms_norm as _ref_norm
 from kernels import rotary as _ref_rope
@@ -84,6 +86,11 @@ def _use_triton(x: torch.Tensor, *same_dtype: torch.Tensor) -> bool:
     if any(t.dtype != x.dtype for t in same_dtype):
         return False
     return triton_available()
+
+
+def _use_native() -> bool:
+    """Native CPU kernels unless a backend is forced (tests comparing against the references)."""
+    return _forced is None and os.environ.get(FORCE_TORCH_ENV, "0") in ("", "0")
 
 
 def backend_for(x: torch.Tensor) -> str:
@@ -196,7 +203,8 @@ def paged_attention_varlen(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _use_triton(x):
         return _norm_rope().rms_norm(x, weight, eps)
-    return _ref_norm.rms_norm(x, weight, eps)
+    out = cpu_ops.rms_norm(x, weight, eps) if _use_native() else None
+    return out if out is not None else _ref_norm.rms_norm(x, weight, eps)
 
 
 def add_rms_norm(
@@ -204,7 +212,8 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(x):
         return _norm_rope().add_rms_norm(x, residual, weight, eps)
-    return _ref_norm.add_rms_norm(x, residual, weight, eps)
+    out = cpu_ops.add_rms_norm(x, residual, weight, eps) if _use_native() else None
+    return out if out is not None else _ref_norm.add_rms_norm(x, residual, weight, eps)
 
 
 def apply_rotary(
@@ -212,7 +221,8 @@ def apply_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(q, k):
         return _norm_rope().apply_rotary(q, k, cos, sin)
-    return _ref_rope.apply_rotary(q, k, cos, sin)
+    out = cpu_ops.apply_rotary(q, k, cos, sin) if _use_native() else None
+    return out if out is not None else _ref_rope.apply_rotary(q, k, cos, sin)
 
 
 def apply_rotary_by_position(
@@ -229,4 +239,4 @@ def apply_rotary_by_position(
         return _norm_rope().apply_rotary_by_position(q, k, cos_table, sin_table, positions)
     cos = cos_table[positions].to(q.dtype)
     sin = sin_table[positions].to(q.dtype)
-    return _ref_rope.apply_rotary(q, k, cos, sin)
+    return apply_rotary(q, k, cos, sin)

@@ -247,8 +247,3 @@ torch::Tensor paged_decode_attention(
   });
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("supports", &supports, "whether a head_dim / query-per-kv-head group has a kernel");
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32)");
-}

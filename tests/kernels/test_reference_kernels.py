@@ -163,3 +163,38 @@ def test_rotary_rotates_pairs_by_position():
     assert rq[1, 0, 5].item() == pytest.approx(y * math.cos(angle) + x * math.sin(angle), abs=1e-5)
     torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))
     torch.testing.assert_close(rk.norm(dim=-1), k.norm(dim=-1))
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
+@pytest.mark.parametrize("rows, hidden", [(1, 64), (37, 320), (130, 768)])
+def test_native_norms_match_reference(rows, hidden):
+    from kernels.rms_norm import add_rms_norm, rms_norm
+
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, hidden, generator=gen) * 3
+    residual = torch.randn(rows, hidden, generator=gen)
+    w = torch.randn(hidden, generator=gen)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6), rms_norm(x, w, 1e-6))
+    out, summed = cpu_ops.add_rms_norm(x, residual, w, 1e-5)
+    want_out, want_summed = add_rms_norm(x, residual, w, 1e-5)
+    assert torch.equal(summed, want_summed)
+    torch.testing.assert_close(out, want_out)
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
+@pytest.mark.parametrize("hq, hk, d", [(12, 4, 64), (5, 5, 64), (4, 2, 128)])
+def test_native_rotary_is_bitwise_the_reference(hq, hk, d):
+    """On views into a fused qkv row (as the model passes them), rounding as the reference."""
+    from kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+
+    tokens = 19
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.view(tokens, hq, d), k.view(tokens, hk, d)
+    cos, sin = rope_cos_sin(rope_inv_freq(d, 10000.0, None), 64)
+    positions = torch.randint(0, 64, (tokens,))
+    before = qkv.clone()
+    want_q, want_k = apply_rotary(q, k, cos[positions], sin[positions])
+    got_q, got_k = cpu_ops.apply_rotary(q, k, cos[positions], sin[positions])
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(qkv, before)  # inputs untouched

@@ -1,0 +1,22 @@
+// The Python module: one binding per native CPU kernel (kernels/cpu_ops.py loads it).
+#include <torch/extension.h>
+
+#include <tuple>
+
+bool supports(int64_t head_dim, int64_t group);
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
+                                     torch::Tensor value_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
+                                                      torch::Tensor w, double eps);
+std::tuple<torch::Tensor, torch::Tensor> apply_rotary(torch::Tensor q, torch::Tensor k,
+                                                      torch::Tensor cos, torch::Tensor sin);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("supports", &supports, "whether a head_dim / query-per-kv-head group has a kernel");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (fp32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows (fp32)");
+  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual) (fp32)");
+  m.def("apply_rotary", &apply_rotary, "rotary embedding of q and k (fp32)");
+}
