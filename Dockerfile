@@ -7,6 +7,11 @@ ENV PYTHONUNBUFFERED=1 \
     TOKENIZERS_PARALLELISM=false
 
 WORKDIR /app
+# A C++ compiler for the native CPU kernels (kernels/csrc). They build on the worker's first start
+# for the CPU the container runs on (-march=native), not at image build time, so an image built
+# on one machine never carries instructions another lacks. Without it the torch references run.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 # The CPU build of torch first, from PyTorch's CPU index, so nothing pulls a CUDA build.
 # For a GPU image, swap the base for a CUDA one and drop --index-url.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
