@@ -112,8 +112,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         store_kv(key_cache, value_cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
         nd = meta.num_decode
+        decoded = None
         if nd:
             args = (
                 q[:nd],
@@ -124,7 +124,13 @@ class DecoderLayer(nn.Module):
                 self.scale,
             )
             decoded = cpu_ops.paged_decode_attention(*args)
-            out[:nd] = decoded if decoded is not None else paged_decode_attention(*args)
+            if decoded is None:
+                decoded = paged_decode_attention(*args)
+            if not meta.prefills:
+                return decoded  # a decode-only step: no copy into a combined output
+        out = torch.empty_like(q)
+        if decoded is not None:
+            out[:nd] = decoded
         for span in meta.prefills:
             rows = slice(span.start, span.end)
             if span.block_table is None:
