@@ -39,6 +39,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024)
     parser.add_argument("--no-overlap", action="store_true", help="disable overlap scheduling")
+    parser.add_argument(
+        "--frontend-nice",
+        type=int,
+        default=10,
+        help="niceness of the api and tokenizer processes (0: same as the engine)",
+    )
     parser.add_argument("--run-dir", default=None, help="where ipc sockets live (default: temp)")
     add_engine_args(parser)
     return parser
@@ -98,7 +104,17 @@ def serve(args: argparse.Namespace) -> int:
         for name, cmd in _commands(args):
             # Own process group per child: a terminal Ctrl-C reaches only the launcher, which then
             # stops the children in order, so none is left behind.
-            children.append(Child(name, subprocess.Popen(cmd, env=env, start_new_session=True)))
+            # The api and tokenizers yield the CPU to the worker and scheduler, the step's
+            # critical path: on a box with fewer cores than busy processes, a front-end process
+            # preempting a worker thread stalls the whole step (docs/benchmarks.md, 32 streams).
+            nice = args.frontend_nice if name == "api" or name.startswith("tokenizer") else 0
+            proc = subprocess.Popen(
+                cmd,
+                env=env,
+                start_new_session=True,
+                preexec_fn=(lambda n=nice: os.nice(n)) if nice else None,
+            )
+            children.append(Child(name, proc))
         health = f"http://{args.host}:{args.port}/health"
         announced = False
         while not stopping:

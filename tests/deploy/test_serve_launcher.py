@@ -38,6 +38,12 @@ def test_serve_answers_and_sigterm_leaves_nothing_behind(model, tmp_path):
     try:
         kids = children_of(proc.pid)
         assert len(kids) == 5  # worker, scheduler, 2 tokenizers, api
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        for kid in kids:  # the front end yields the CPU to the engine (--frontend-nice 10)
+            cmdline = Path(f"/proc/{kid}/cmdline").read_bytes()
+            engine = b"services.worker" in cmdline or b"services.scheduler" in cmdline
+            want = base if engine else min(base + 10, 19)
+            assert os.getpriority(os.PRIO_PROCESS, kid) == want, cmdline
         body = json.dumps({"model": model.name, "prompt": [5, 6, 7], "max_tokens": 4})
         out = post_json(f"http://127.0.0.1:{port}/v1/completions", body.encode())
         assert out["usage"]["completion_tokens"] == 4
