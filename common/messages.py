@@ -7,6 +7,8 @@ preempted requests travel as ids. So a plan's size does not grow with context le
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Sequence
 
 import msgspec
@@ -20,18 +22,28 @@ TokenIds = bytes
 Python object per id; a buffer decodes with one copy, and numpy or torch produce it directly."""
 
 _ID_DTYPE = np.dtype("<i4")
+_SWAP = sys.byteorder != "little"  # array("i") is native-endian; the wire is little-endian
+assert array("i").itemsize == 4
 
 
 def pack_ids(ids: Sequence[int] | np.ndarray) -> TokenIds:
-    return np.asarray(ids, dtype=_ID_DTYPE).tobytes()
+    if isinstance(ids, np.ndarray):
+        return ids.astype(_ID_DTYPE, copy=False).tobytes()
+    buf = array("i", ids)  # ~3x cheaper than numpy for the few ids of a step's message
+    if _SWAP:
+        buf.byteswap()
+    return buf.tobytes()
 
 
 def unpack_ids(buf: TokenIds) -> list[int]:
-    return np.frombuffer(buf, dtype=_ID_DTYPE).tolist()
+    ids = array("i", buf)
+    if _SWAP:
+        ids.byteswap()
+    return ids.tolist()
 
 
 def num_ids(buf: TokenIds) -> int:
-    return len(buf) // _ID_DTYPE.itemsize
+    return len(buf) // 4
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):
