@@ -188,7 +188,7 @@ def main() -> None:
     ap.add_argument("scenario")
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--serve-flags", default="", help='extra stoker serve flags, e.g. "--no-overlap"')
+    ap.add_argument("--serve-flags", default="", help='extra serve flags, e.g. "--no-overlap"')
     a = ap.parse_args()
     EXTRA_FLAGS.extend(a.serve_flags.split())
     result = scenario(a.scenario, a)
