@@ -84,10 +84,13 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch)
         self.width = -(-max_model_len // block_size)  # block table columns: the longest request
         self.block_size, self.scratch_block, self.device = block_size, scratch_block, device
-        # One int64 buffer; a batch of size B uses its first B * (4 + width) elements laid out
-        # [ids | positions | slots | context lens | tables], so each step is one host-to-device
-        # copy. int64 throughout: the torch references index with it, triton widens anyway.
-        numel = self.sizes[-1] * (_FIELDS + self.width)
+        # One int64 buffer: block tables first, row r always at [r * width, (r + 1) * width)
+        # whatever the padded size, so columns past a request's blocks only ever hold block ids
+        # from earlier steps; then, at a fixed offset, [ids | positions | slots | context lens]
+        # of B elements each. A step is two host-to-device copies. int64 throughout: the torch
+        # references index with it, triton widens anyway.
+        self._fields_at = self.sizes[-1] * self.width
+        numel = self._fields_at + self.sizes[-1] * _FIELDS
         self._device_buf = torch.zeros(numel, dtype=torch.int64, device=device)
         self._host_buf = torch.zeros(numel, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._host = self._host_buf.numpy()
@@ -100,9 +103,11 @@ class DecodeGraphs:
             self._capture()
 
     def _entry(self, size: int) -> _Entry:
-        buf = self._device_buf
-        ids, positions, slots, lens = (buf[i * size : (i + 1) * size] for i in range(_FIELDS))
-        tables = buf[_FIELDS * size : size * (_FIELDS + self.width)].view(size, self.width)
+        buf, at = self._device_buf, self._fields_at
+        ids, positions, slots, lens = (
+            buf[at + i * size : at + (i + 1) * size] for i in range(_FIELDS)
+        )
+        tables = buf[: size * self.width].view(size, self.width)
         meta = AttentionMetadata(
             slot_mapping=slots,
             num_decode=size,
@@ -143,15 +148,15 @@ class DecodeGraphs:
     def _fill(self, chunks: list[Chunk], size: int) -> None:
         if self._copied is not None:
             self._copied.synchronize()  # no-op once the copy is done (the sampler synced)
-        num, width, bs = len(chunks), self.width, self.block_size
-        host = self._host[: size * (_FIELDS + width)]
-        ids, positions, slots, lens = (host[i * size : (i + 1) * size] for i in range(_FIELDS))
-        tables = host[_FIELDS * size :].reshape(size, width)
+        num, width, bs, at = len(chunks), self.width, self.block_size, self._fields_at
+        fields = self._host[at : at + _FIELDS * size]
+        ids, positions, slots, lens = (fields[i * size : (i + 1) * size] for i in range(_FIELDS))
+        tables = self._host[: size * width].reshape(size, width)
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=num)
         ids[:num] = [c.token_ids[0] for c in chunks]
         positions[:num] = starts
         lens[:num] = starts + 1
-        # Columns past a request's blocks keep stale ids from earlier steps: always valid block
+        # Columns past a request's blocks keep ids from earlier steps (or 0): always valid block
         # ids, and never read below the context length.
         for row, chunk in enumerate(chunks):
             tables[row, : len(chunk.block_ids)] = chunk.block_ids
@@ -159,8 +164,8 @@ class DecodeGraphs:
         ids[num:], positions[num:], lens[num:] = 0, 0, 1
         slots[num:] = self.scratch_block * bs
         tables[num:, 0] = self.scratch_block
-        total = size * (_FIELDS + width)
-        self._device_buf[:total].copy_(self._host_buf[:total], non_blocking=True)
+        for lo, hi in ((0, size * width), (at, at + _FIELDS * size)):
+            self._device_buf[lo:hi].copy_(self._host_buf[lo:hi], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 

@@ -127,6 +127,26 @@ def test_padding_rows_write_the_scratch_block_only():
     assert not graphs.accepts([])
 
 
+def test_block_table_columns_only_ever_hold_block_ids():
+    """A smaller batch after a larger one: unused table columns must still be block ids (the
+    torch reference gathers every column), never another batch size's ids or positions."""
+    graphs = DecodeGraphs(
+        None,
+        [],
+        max_batch=8,
+        max_model_len=64,
+        block_size=16,
+        scratch_block=10,
+        device=torch.device("cpu"),
+        capture=False,
+    )
+    graphs.prepare([Chunk([40000 + i], 5 + i, [i], 1) for i in range(8)])
+    graphs.prepare([Chunk([7], 3, [2], 1)])
+    tables = graphs._pending[0].meta.decode_block_tables
+    assert tables.shape == (1, 4) and tables[0, 0] == 2
+    assert all(0 <= b <= 10 for b in tables.flatten().tolist()), tables
+
+
 def test_greedy_and_logprobs_equal_the_eager_path(model_path):
     """11 requests, at most 8 captured: decode batches of 1..8 are padded (3 -> 4, 5 -> 8, ...),
     larger ones and prefill steps run eagerly; tokens equal, logprobs to float32 rounding."""
