@@ -6,8 +6,10 @@ references in this package run instead, and results are the same within float32 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -19,6 +21,17 @@ _SOURCES = Path(__file__).parent / "csrc"
 _module: ModuleType | None | bool = None  # None: not tried; False: unavailable
 
 
+def _cpu_signature() -> str:
+    """A short hash of what -march=native depends on: the CPU model and its feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keys = ("model name", "flags", "Features", "CPU part")
+        text = "\n".join(sorted({ln for ln in lines if ln.split(":")[0].strip() in keys}))
+    except OSError:
+        text = platform.processor() or platform.machine()
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
 def load() -> ModuleType | None:
     """The compiled module, or None when native kernels are disabled or cannot be built."""
     global _module
@@ -28,8 +41,13 @@ def load() -> ModuleType | None:
             try:
                 from torch.utils.cpp_extension import load as build
 
-                # Per environment, so two checkouts or venvs never rebuild over each other.
-                build_dir = Path(sys.prefix) / "stoker-kernels" / f"torch-{torch.__version__}"
+                # Per environment (two checkouts or venvs never rebuild over each other) and per
+                # CPU: -march=native code from one machine can die with SIGILL on another.
+                build_dir = (
+                    Path(sys.prefix)
+                    / "stoker-kernels"
+                    / f"torch-{torch.__version__}-cpu-{_cpu_signature()}"
+                )
                 build_dir.mkdir(parents=True, exist_ok=True)
                 _module = build(
                     build_directory=str(build_dir),
@@ -45,6 +63,16 @@ def load() -> ModuleType | None:
             except Exception as e:  # no compiler, no ninja, or a build error
                 log.warning("native CPU kernels unavailable, using torch references: %s", e)
     return _module or None
+
+
+def supports(
+    dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int
+) -> bool:
+    """Whether the native decode attention takes this model's attention shape."""
+    if device.type != "cpu" or dtype != torch.float32 or num_heads % num_kv_heads:
+        return False
+    module = load()
+    return module is not None and module.supports(head_dim, num_heads // num_kv_heads)
 
 
 def paged_decode_attention(

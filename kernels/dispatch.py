@@ -136,7 +136,21 @@ def paged_decode_attention(
     args = (query, key_cache, value_cache, block_tables, context_lens, scale)
     if _use_triton(query, key_cache, value_cache):
         return _attn().paged_decode_attention(*args)
-    return _ref_attn.paged_decode_attention(*args)
+    out = cpu_ops.paged_decode_attention(*args) if _use_native() else None
+    return out if out is not None else _ref_attn.paged_decode_attention(*args)
+
+
+def decode_reads_cache_in_place(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> bool:
+    """Whether paged_decode_attention runs a kernel that reads the cache in place (triton, or
+    the native CPU one) rather than the reference, which gathers each row's whole context. The
+    step layout sends short chunks down the decode path only then: one row per position of a
+    k + 1 verify would multiply the reference's gather by k + 1."""
+    probe = torch.empty(0, dtype=dtype, device=device)
+    if _use_triton(probe):
+        return True
+    return _use_native() and cpu_ops.supports(dtype, device, num_heads, num_kv_heads, head_dim)
 
 
 def paged_prefill_attention(

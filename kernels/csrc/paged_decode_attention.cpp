@@ -63,7 +63,7 @@ constexpr int kBitrev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 
 // r = x - k ln 2 (split in two constants), p a degree-6 polynomial (Cephes expf). ~2 ulp, and
 // vectorised, where std::exp is a scalar libm call per score.
 inline v16 vexp(v16 x) {
-  const v16 lo = x * 0.f - 87.f;
+  const v16 lo = v16{} - 87.f;  // a broadcast constant (x * 0 would be NaN for x = -inf)
   x = x < lo ? lo : x;
   // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer in float arithmetic.
   const v16 k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
@@ -221,8 +221,13 @@ torch::Tensor paged_decode_attention(
   auto out = torch::empty_like(query);
   const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), Hk = key_cache.size(2);
-  const int64_t G = Hq / Hk, MB = block_tables.size(1);
+  const int64_t G = Hq / Hk, MB = block_tables.size(1), num_blocks = key_cache.size(0);
   TORCH_CHECK(Hq % Hk == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.size(3) == D &&
+                  key_cache.sizes() == value_cache.sizes(),
+              "key/value caches must be [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(block_tables.size(0) == B && context_lens.numel() == B,
+              "one block-table row and one context length per query row");
   AttendFn fn = pick(D, G);
   TORCH_CHECK(fn != nullptr, "unsupported head_dim ", D, " or group size ", G);
   const float* q = query.data_ptr<float>();
@@ -232,6 +237,12 @@ torch::Tensor paged_decode_attention(
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+  // Every block the kernel will read must exist: a bad table is an error, not a stray read.
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= MB * BS, "context length out of range: ", lens[b]);
+    for (int64_t i = 0, n = (lens[b] + BS - 1) / BS; i < n; ++i)
+      TORCH_CHECK(bt[b * MB + i] >= 0 && bt[b * MB + i] < num_blocks, "block id out of range");
+  }
 
   // Tasks: (request, group of kv heads). All heads of a request in one task read each block's
   // rows whole (contiguous); with few requests, split heads so every thread has work.

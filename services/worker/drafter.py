@@ -12,6 +12,7 @@ import msgspec
 import torch
 
 from common.sampling_params import SamplingParams
+from kernels.dispatch import decode_reads_cache_in_place
 from services.worker.kv_sizing import kv_block_bytes
 from services.worker.loader import check_model_folder, load_model
 from services.worker.model_config import ModelConfig, ModelLoadError
@@ -22,7 +23,7 @@ from services.worker.sampler import (
     filtered_probs,
     seeded_generator,
 )
-from services.worker.step_inputs import Chunk, build_step_inputs
+from services.worker.step_inputs import MAX_DECODE_CHUNK, Chunk, build_step_inputs
 
 _DRAFT_SALT = 0x5EED_D4AF  # keeps draft noise apart from the target sampler's (seed, position)
 
@@ -49,6 +50,11 @@ class Drafter:
             )
         self.model = load_model(folder, dtype, str(device), max_model_len)
         self.block_size, self.device = block_size, device
+        cfg = self.cfg
+        in_place = decode_reads_cache_in_place(
+            device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        )
+        self.decode_chunk = MAX_DECODE_CHUNK if in_place else 1
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.computed: dict[str, int] = {}  # per request: positions whose draft K/V is valid
         # Its own stream, distinct from the target sampler's: proposals drawn with the same noise
@@ -88,7 +94,7 @@ class Drafter:
                     chunks.append(Chunk(tokens[start:], start, blocks, 1))
                 else:
                     chunks.append(Chunk([drafts[i][-1]], len(tokens) + step - 1, blocks, 1))
-            inputs = build_step_inputs(chunks, self.block_size, self.device)
+            inputs = build_step_inputs(chunks, self.block_size, self.device, self.decode_chunk)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()
             batch = SamplingBatch.build(

@@ -19,6 +19,7 @@ from common.config import EngineConfig
 from common.messages import StepPlan, StepResult, TokenLogprobs, pack_ids, unpack_ids
 from common.sampling_params import SamplingParams
 from kernels import cpu_ops
+from kernels.dispatch import decode_reads_cache_in_place
 from services.worker.cpu_tuning import keep_freed_memory
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from services.worker.drafter import Drafter
@@ -33,7 +34,12 @@ from services.worker.loader import check_model_folder, load_model, resolve_dtype
 from services.worker.model_config import ModelConfig
 from services.worker.sampler import Sampler, SamplingBatch
 from services.worker.spec_verify import VerifyGroup, verify
-from services.worker.step_inputs import Chunk, build_step_inputs, sample_ranges
+from services.worker.step_inputs import (
+    MAX_DECODE_CHUNK,
+    Chunk,
+    build_step_inputs,
+    sample_ranges,
+)
 
 log = logging.getLogger("stoker.worker")
 
@@ -86,6 +92,11 @@ class ModelRunner:
         self.model = None
         if not config.null_model:
             self.model = load_model(folder, self.dtype, config.device, self.max_model_len)
+        cfg = self.model_cfg
+        in_place = decode_reads_cache_in_place(
+            self.device, self.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        )
+        self.decode_chunk = MAX_DECODE_CHUNK if in_place else 1
         self.drafter: Drafter | None = None
         if config.speculative == "draft" and not config.null_model:
             assert config.speculative_model is not None
@@ -242,7 +253,7 @@ class ModelRunner:
             graphs.prepare(chunks)
             ranges = sample_ranges(chunks)
         else:
-            inputs = build_step_inputs(chunks, self.block_size, self.device)
+            inputs = build_step_inputs(chunks, self.block_size, self.device, self.decode_chunk)
             ranges = inputs.sample_ranges
         t1 = time.perf_counter()
         logits = None

@@ -39,9 +39,16 @@ class StepInputs:
 MAX_DECODE_CHUNK = 16
 
 
-def build_step_inputs(chunks: list[Chunk], block_size: int, device: torch.device) -> StepInputs:
+def build_step_inputs(
+    chunks: list[Chunk],
+    block_size: int,
+    device: torch.device,
+    max_decode_chunk: int = MAX_DECODE_CHUNK,
+) -> StepInputs:
+    """max_decode_chunk: the longest chunk laid out as decode rows. Pass 1 when the decode
+    attention is the gathering reference (`dispatch.decode_reads_cache_in_place`)."""
     bs = block_size
-    short = [len(c.token_ids) <= MAX_DECODE_CHUNK for c in chunks]
+    short = [len(c.token_ids) <= max_decode_chunk for c in chunks]
     order = [i for i, c in enumerate(chunks) if short[i]]
     num_short = len(order)
     order += [i for i, c in enumerate(chunks) if not short[i]]

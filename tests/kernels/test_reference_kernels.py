@@ -198,3 +198,15 @@ def test_native_rotary_is_bitwise_the_reference(hq, hk, d):
     got_q, got_k = cpu_ops.apply_rotary(q, k, cos[positions], sin[positions])
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert torch.equal(qkv, before)  # inputs untouched
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
+def test_native_decode_rejects_bad_tables_instead_of_reading_stray_memory():
+    kc, vc, tables = _paged_setup(2, 4, 2, 16, 16, [20, 5], seed=2)
+    q = torch.randn(2, 4, 16)
+    bad = tables.clone()
+    bad[0, 1] = kc.shape[0]  # a block id past the pool, inside the first request's context
+    with pytest.raises(RuntimeError, match="block id"):
+        cpu_ops.paged_decode_attention(q, kc, vc, bad, torch.tensor([20, 5]), 0.25)
+    with pytest.raises(RuntimeError, match="context length"):
+        cpu_ops.paged_decode_attention(q, kc, vc, tables, torch.tensor([0, 5]), 0.25)

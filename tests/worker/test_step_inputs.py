@@ -62,3 +62,24 @@ def test_verify_rows_on_the_decode_path_equal_prefill_attention_over_the_prefix(
     )
     span = paged_prefill_attention(q, kc, vc, torch.tensor(blocks), context, d**-0.5)
     torch.testing.assert_close(rows, span, rtol=1e-5, atol=1e-5)
+
+
+def test_short_chunks_stay_prefill_spans_where_decode_attention_would_gather(monkeypatch):
+    """Decode rows only pay off with a kernel that reads the cache in place; the reference
+    gathers each row's whole context, so a k + 1 verify would gather it k + 1 times."""
+    from kernels import cpu_ops
+    from kernels.dispatch import decode_reads_cache_in_place
+
+    cpu = torch.device("cpu")
+    native = cpu_ops.load() is not None
+    assert decode_reads_cache_in_place(cpu, torch.float32, 12, 4, 64) == native
+    assert not decode_reads_cache_in_place(cpu, torch.bfloat16, 12, 4, 64)
+    assert not decode_reads_cache_in_place(cpu, torch.float32, 12, 4, 48)  # no kernel shape
+    monkeypatch.setenv("STOKER_FORCE_TORCH_KERNELS", "1")
+    assert not decode_reads_cache_in_place(cpu, torch.float32, 12, 4, 64)
+
+    verify = Chunk([6, 60, 61, 62], 6, [4, 5, 6], 4)
+    meta = build_step_inputs([Chunk([5], 9, [1, 2, 3], 1), verify], BS, cpu, 1).meta
+    assert meta.num_decode == 1
+    (span,) = meta.prefills
+    assert (span.start, span.end, span.context_len) == (1, 5, 10)

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_ops
 from kernels.dispatch import (  # triton on CUDA, the torch references elsewhere
     add_rms_norm,
     apply_rotary,
@@ -123,9 +122,7 @@ class DecoderLayer(nn.Module):
                 meta.decode_context_lens,
                 self.scale,
             )
-            decoded = cpu_ops.paged_decode_attention(*args)
-            if decoded is None:
-                decoded = paged_decode_attention(*args)
+            decoded = paged_decode_attention(*args)
             if not meta.prefills:
                 return decoded  # a decode-only step: no copy into a combined output
         out = torch.empty_like(q)
