@@ -43,7 +43,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--frontend-nice",
         type=int,
         default=10,
-        help="niceness of the api and tokenizer processes (0: same as the engine)",
+        choices=range(20),
+        metavar="0..19",
+        help="niceness added to the api and tokenizer processes (0: same as the engine)",
     )
     parser.add_argument("--run-dir", default=None, help="where ipc sockets live (default: temp)")
     add_engine_args(parser)
@@ -107,13 +109,10 @@ def serve(args: argparse.Namespace) -> int:
             # The api and tokenizers yield the CPU to the worker and scheduler, the step's
             # critical path: on a box with fewer cores than busy processes, a front-end process
             # preempting a worker thread stalls the whole step (docs/benchmarks.md, 32 streams).
-            nice = args.frontend_nice if name == "api" or name.startswith("tokenizer") else 0
-            proc = subprocess.Popen(
-                cmd,
-                env=env,
-                start_new_session=True,
-                preexec_fn=(lambda n=nice: os.nice(n)) if nice else None,
-            )
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+            if args.frontend_nice and (name == "api" or name.startswith("tokenizer")):
+                base = os.getpriority(os.PRIO_PROCESS, 0)
+                os.setpriority(os.PRIO_PROCESS, proc.pid, min(base + args.frontend_nice, 19))
             children.append(Child(name, proc))
         health = f"http://{args.host}:{args.port}/health"
         announced = False

@@ -117,8 +117,8 @@ class SchedulerService:
 
     def _add(self, routing_id: bytes, msg: GenerateRequest) -> None:
         assert self.scheduler is not None and self.blocks is not None
-        prompt = unpack_ids(msg.prompt_token_ids)
         try:
+            prompt = unpack_ids(msg.prompt_token_ids)
             max_tokens = check_request(
                 prompt, msg.params, self.max_model_len, self.model_cfg.vocab_size
             )
