@@ -1,105 +1,26 @@
 """Scheduler core, driven by a fake worker that mirrors the real one's bookkeeping.
 
-The fake worker keeps per-request tokens, block tables and computed counts from plans alone (as
-`ModelRunner._apply_plan` does), samples when a request's computed tokens reach its known tokens,
-and returns tokens that depend only on the context. It also keeps a fake KV cache (slot -> token)
-and checks that every position a request attends to holds that request's token, so bad prefix
-hits or reused blocks show up. Outputs can then be compared across scheduling configurations.
+The fake worker (`tests/fake_worker.py`) keeps per-request tokens, block tables and computed
+counts from plans alone (as `ModelRunner._apply_plan` does), samples when a request's computed
+tokens reach its known tokens, and returns tokens that depend only on the context. It also keeps a
+fake KV cache (slot -> token) and checks that every position a request attends to holds that
+request's token, so bad prefix hits or reused blocks show up. Outputs can then be compared across
+scheduling configurations.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
-from collections import defaultdict, deque
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable
 
 import pytest
 
-from common.messages import NewRequestData, StepPlan, StepResult, num_ids, pack_ids, unpack_ids
-from common.sampling_params import SamplingParams
-from services.scheduler.block_manager import BlockManager
+from common.messages import NewRequestData, StepPlan, StepResult, num_ids
 from services.scheduler.request import FinishReason, Request
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
-
-VOCAB = 97
-EOS = 0  # never sampled unless forced
-BS = 4
-
-
-def next_token(tokens: list[int]) -> int:
-    return 1 + (sum(tokens[-4:]) * 31 + 7 * len(tokens)) % (VOCAB - 1)
-
-
-def req(rid: str, prompt: list[int], max_tokens: int = 8, **params: object) -> Request:
-    sp = SamplingParams(max_tokens=max_tokens, **params)  # type: ignore[arg-type]
-    return Request(rid, prompt, sp, max_tokens, (EOS,))
-
-
-def make(
-    num_blocks: int = 256, cache: bool = True, reqs: Sequence[Request] = (), **cfg: int
-) -> Scheduler:
-    sched = Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, BS, cache))
-    for r in reqs:
-        sched.add_request(r)
-    return sched
-
-
-@dataclasses.dataclass
-class _State:
-    tokens: list[int]
-    prompt_len: int
-    blocks: list[int]
-    computed: int
-
-
-class FakeWorker:
-    def __init__(self, force: dict[str, dict[int, int]] | None = None) -> None:
-        self.force = force or {}  # req_id -> {output index: token}
-        self.reqs: dict[str, _State] = {}
-        self.kv: dict[int, int] = {}  # slot -> the token whose K/V it holds
-        self.chunks: defaultdict[str, list[tuple[int, int]]] = defaultdict(list)
-        self.sampled: defaultdict[str, list[int]] = defaultdict(list)  # step ids
-
-    def _slot(self, st: _State, pos: int) -> int:
-        return st.blocks[pos // BS] * BS + pos % BS
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        for rid in plan.finished_req_ids:
-            self.reqs.pop(rid, None)
-        scheduled: list[tuple[str, _State, int]] = []
-        for new in plan.new_requests:
-            assert new.req_id not in self.reqs
-            prompt = unpack_ids(new.prompt_token_ids)
-            tokens = prompt + unpack_ids(new.output_token_ids)
-            st = _State(tokens, len(prompt), list(new.block_ids), 0)
-            st.computed = new.num_computed_tokens
-            self.reqs[new.req_id] = st
-            scheduled.append((new.req_id, st, new.num_scheduled_tokens))
-        run = plan.running
-        for rid, n, new_blocks in zip(run.req_ids, run.num_scheduled_tokens, run.new_block_ids):
-            st = self.reqs[rid]
-            st.blocks.extend(new_blocks)
-            scheduled.append((rid, st, n))
-        for rid, st, n in scheduled:  # write this step's K/V
-            end = st.computed + n
-            assert n > 0 and end <= len(st.tokens) and end <= len(st.blocks) * BS
-            for pos in range(st.computed, end):
-                self.kv[self._slot(st, pos)] = st.tokens[pos]
-            self.chunks[rid].append((plan.step_id, n))
-        req_ids, token_ids = [], []
-        for rid, st, n in scheduled:  # attention reads every position up to the last computed
-            st.computed += n
-            for pos in range(st.computed):
-                assert self.kv.get(self._slot(st, pos)) == st.tokens[pos], (rid, pos)
-            if st.computed == len(st.tokens):
-                index = len(st.tokens) - st.prompt_len
-                req_ids.append(rid)
-                token_ids.append(self.force.get(rid, {}).get(index, next_token(st.tokens)))
-        for rid, token in zip(req_ids, token_ids):
-            self.reqs[rid].tokens.append(token)
-            self.sampled[rid].append(plan.step_id)
-        return StepResult(plan.step_id, req_ids, pack_ids(token_ids))
+from services.scheduler.scheduler import Scheduler
+from tests.fake_worker import EOS, VOCAB, FakeWorker, assert_idle, make, req
 
 
 @dataclasses.dataclass
@@ -161,11 +82,6 @@ def drive(sched: Scheduler, worker: FakeWorker, overlap: bool, hook: Hook | None
             return run
         record(sched, *inflight.popleft(), run)
     raise AssertionError("never went idle")
-
-
-def assert_idle(sched: Scheduler, worker: FakeWorker) -> None:
-    assert not sched.has_unfinished() and not sched.requests and not worker.reqs
-    assert sched.blocks.num_free_blocks() == sched.blocks.num_blocks
 
 
 def test_budget_seats_and_chunked_prefill() -> None:

@@ -1,10 +1,10 @@
 """A fake worker that speculates, and a checked driver for the sans-IO scheduler.
 
-`SpecFakeWorker` mirrors `ModelRunner`'s bookkeeping from plans alone (per-request tokens, block
-tables, computed counts), including verify chunks: [last token, *drafts] with k + 1 positions,
-drafts from the plan (n-gram) or from its own fake drafter (draft model, `num_spec_tokens` > 0 with
-no ids). It keeps a fake KV cache (slot -> token) and checks that every position a request
-attends to holds that request's token, so a rollback that keeps a rejected draft's K/V, a bad
+`SpecFakeWorker` extends `tests/fake_worker.py`'s `FakeWorker` (which mirrors `ModelRunner`'s
+bookkeeping from plans alone: per-request tokens, block tables, computed counts, and a fake KV
+cache checked at every position a request attends to) with verify chunks: [last token, *drafts]
+with k + 1 positions, drafts from the plan (n-gram) or from its own fake drafter (draft model,
+`num_spec_tokens` > 0 with no ids). So a rollback that keeps a rejected draft's K/V, a bad
 prefix-cache hit or a reused block shows up.
 
 Acceptance modes:
@@ -22,23 +22,20 @@ import random
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from common.messages import SpecStats, StepPlan, StepResult, num_ids, pack_ids, unpack_ids
-from common.sampling_params import SamplingParams
-from services.scheduler.block_manager import BlockManager
+from common.messages import SpecStats, StepPlan, StepResult, num_ids
 from services.scheduler.request import FinishReason, Request, RequestStatus
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.scheduler import Scheduler
 from services.scheduler.speculation import SpecPolicy
+from tests import fake_worker
+from tests.fake_worker import BS, VOCAB, FakeWorker, _State, req
 
-VOCAB = 97
-EOS = 0  # never produced by the oracle
 STOP = 5  # some requests stop on it
-BS = 4
 
 
 def oracle(tokens: Sequence[int]) -> int:
     """The fake target's greedy next token. Mostly it copies the token 3 back (so outputs repeat
     and n-gram proposals are often right), except at every 7th position (so they are sometimes
-    wrong): speculation then sees partial acceptance."""
+    wrong): speculation then sees partial acceptance. Never EOS."""
     n = len(tokens)
     if n % 7 and n >= 3:
         return tokens[-3]
@@ -58,11 +55,6 @@ def ngram_reference(tokens: Sequence[int], k: int, min_n: int = 2, max_n: int = 
     return []
 
 
-def req(rid: str, prompt: list[int], max_tokens: int = 8, **params: object) -> Request:
-    sp = SamplingParams(max_tokens=max_tokens, **params)  # type: ignore[arg-type]
-    return Request(rid, prompt, sp, max_tokens, (EOS,))
-
-
 def make(
     method: str | None,
     num_blocks: int = 256,
@@ -76,18 +68,7 @@ def make(
     spec = None
     if method is not None:
         spec = SpecPolicy(method, num_tokens, adaptive=adaptive, max_batch=max_batch)
-    sched = Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, BS, cache), spec)
-    for r in reqs:
-        sched.add_request(r)
-    return sched
-
-
-@dataclasses.dataclass
-class _State:
-    tokens: list[int]
-    prompt_len: int
-    blocks: list[int]
-    computed: int
+    return fake_worker.make(num_blocks, cache, reqs, spec, **cfg)
 
 
 @dataclasses.dataclass
@@ -102,7 +83,7 @@ class Verify:
 Accept = Callable[[str, int, int], int]
 
 
-class SpecFakeWorker:
+class SpecFakeWorker(FakeWorker):
     def __init__(
         self,
         mode: str = "oracle",
@@ -110,33 +91,52 @@ class SpecFakeWorker:
         accept: Accept | None = None,
         draft_error: float = 0.3,
     ) -> None:
+        super().__init__()
         assert mode in ("oracle", "random", "script")
         assert (mode == "script") == (accept is not None)
         self.mode = mode
         self.rng = random.Random(seed)
         self.accept = accept
         self.draft_error = draft_error  # fake drafter: chance each draft is wrong
-        self.reqs: dict[str, _State] = {}
-        self.kv: dict[int, int] = {}
         self.verifies: list[Verify] = []
 
-    def _slot(self, st: _State, pos: int) -> int:
-        return st.blocks[pos // BS] * BS + pos % BS
+    @staticmethod
+    def target(tokens: Sequence[int]) -> int:
+        return oracle(tokens)
 
     def _propose(self, st: _State, k: int) -> list[int]:
         drafts: list[int] = []
         for _ in range(k):
-            token = oracle(st.tokens + drafts)
+            token = self.target(st.tokens + drafts)
             if self.rng.random() < self.draft_error:
                 token = self.rng.randrange(1, VOCAB)
             drafts.append(token)
         return drafts
 
-    def _verify(self, rid: str, st: _State, drafts: list[int]) -> list[int]:
+    def _drafts(self, rid: str, st: _State, num: int, ids: list[int], k: int) -> list[int]:
+        if not k:
+            assert not ids
+            return []
+        # A verify: nothing else of this request may be pending.
+        assert num == k + 1 and st.computed == len(st.tokens) - 1, (rid, num, k)
+        if not ids:
+            return self._propose(st, k)
+        # n-gram, proposed by the scheduler from the known tokens
+        assert len(ids) == k
+        assert ngram_reference(st.tokens, k) == ids, (rid, st.tokens, ids)
+        return ids
+
+    def _verify(
+        self, step_id: int, rid: str, st: _State, drafts: list[int], ngram: bool
+    ) -> list[int]:
         k = len(drafts)
+
+        def greedy(accepted: int) -> int:  # the target's token after `accepted` drafts
+            return self._next(rid, st, st.tokens + drafts[:accepted])
+
         if self.mode == "oracle":
             accepted = 0
-            while accepted < k and drafts[accepted] == oracle(st.tokens + drafts[:accepted]):
+            while accepted < k and drafts[accepted] == greedy(accepted):
                 accepted += 1
         elif self.mode == "random":
             accepted = self.rng.randint(0, k)
@@ -144,73 +144,8 @@ class SpecFakeWorker:
             assert self.accept is not None
             accepted = self.accept(rid, k, len(self.verifies))
             assert 0 <= accepted <= k
-        return drafts[:accepted] + [oracle(st.tokens + drafts[:accepted])]
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        for rid in plan.finished_req_ids:
-            self.reqs.pop(rid, None)
-        items: list[tuple[str, _State, int, list[int], int, bool]] = []
-        for new in plan.new_requests:
-            assert new.req_id not in self.reqs
-            prompt = unpack_ids(new.prompt_token_ids)
-            tokens = prompt + unpack_ids(new.output_token_ids)
-            st = _State(tokens, len(prompt), list(new.block_ids), 0)
-            st.computed = new.num_computed_tokens
-            self.reqs[new.req_id] = st
-            items.append((new.req_id, st, new.num_scheduled_tokens, [], 0, False))
-        run = plan.running
-        n = len(run.req_ids)
-        spec_ids = run.spec_token_ids or [b""] * n
-        num_spec = run.num_spec_tokens or [0] * n
-        assert len(spec_ids) == len(num_spec) == n
-        for rid, num, new_blocks, ids, k in zip(
-            run.req_ids, run.num_scheduled_tokens, run.new_block_ids, spec_ids, num_spec
-        ):
-            st = self.reqs[rid]
-            st.blocks.extend(new_blocks)
-            drafts = unpack_ids(ids)
-            if k:  # a verify: nothing else of this request may be pending
-                assert num == k + 1 and st.computed == len(st.tokens) - 1, (rid, num, k)
-                if drafts:  # n-gram, proposed by the scheduler from the known tokens
-                    assert len(drafts) == k
-                    assert ngram_reference(st.tokens, k) == drafts, (rid, st.tokens, drafts)
-                else:
-                    drafts = self._propose(st, k)
-            else:
-                assert not drafts
-            items.append((rid, st, num, drafts, k, bool(ids)))
-        for _rid, st, num, drafts, k, _ in items:  # write this step's K/V
-            written = [st.tokens[-1], *drafts] if k else st.tokens[st.computed : st.computed + num]
-            assert num > 0 and len(written) == num
-            assert st.computed + num <= len(st.blocks) * BS
-            for i, token in enumerate(written):
-                self.kv[self._slot(st, st.computed + i)] = token
-        req_ids: list[str] = []
-        token_ids: list[int] = []
-        counts: list[int] = []
-        for rid, st, num, drafts, k, ngram in items:
-            if k:
-                out = self._verify(rid, st, drafts)
-                st.computed += len(out)  # the last token and the accepted drafts
-                self.verifies.append(Verify(plan.step_id, rid, k, len(out) - 1, ngram))
-            else:
-                st.computed += num
-                if st.computed < len(st.tokens):
-                    continue  # a prefill chunk that does not reach the end: nothing sampled
-                out = [oracle(st.tokens)]
-            context = st.tokens + out[:-1]
-            for pos in range(st.computed):  # attention reads every computed position
-                assert self.kv.get(self._slot(st, pos)) == context[pos], (rid, pos)
-            st.tokens.extend(out)
-            req_ids.append(rid)
-            token_ids.extend(out)
-            counts.append(len(out))
-        return StepResult(
-            plan.step_id,
-            req_ids,
-            pack_ids(token_ids),
-            counts=counts if len(token_ids) != len(req_ids) else None,
-        )
+        self.verifies.append(Verify(step_id, rid, k, accepted, ngram))
+        return drafts[:accepted] + [greedy(accepted)]
 
 
 # -- the checked driver -----------------------------------------------------------------------
@@ -389,12 +324,6 @@ def random_aborts(seed: int, rate: float) -> Hook:
 def spec_stats(sched: Scheduler) -> SpecStats:
     assert sched.spec is not None
     return sched.spec.stats
-
-
-def assert_idle(sched: Scheduler, worker: SpecFakeWorker) -> None:
-    assert not sched.has_unfinished() and not sched.requests and not worker.reqs
-    sched.blocks.check_invariants()
-    assert sched.blocks.num_free_blocks() == sched.blocks.num_blocks
 
 
 def workload(seed: int, n: int = 12) -> list[Request]:

@@ -20,9 +20,9 @@ import pytest
 from common.messages import SchedulerStats, SpecStats, StepPlan, StepResult
 from services.api.metrics import EngineSnapshot, Metrics
 from services.engine import LLM, SamplingParams
+from tests.fake_worker import assert_idle
 from tests.spec.fakes import (
     SpecFakeWorker,
-    assert_idle,
     drive,
     make,
     random_aborts,

@@ -15,11 +15,11 @@ import pytest
 from common.messages import StepPlan
 from services.scheduler.request import FinishReason
 from services.scheduler.scheduler import Scheduler
+from tests.fake_worker import assert_idle
 from tests.spec.fakes import (
     Accept,
     Run,
     SpecFakeWorker,
-    assert_idle,
     drive,
     make,
     random_aborts,
