@@ -28,7 +28,8 @@ STEP_METRICS = {
     "worker_prepare": "Worker input preparation per step.",
     "worker_forward": "Worker model forward per step.",
     "worker_sample": "Worker sampling per step.",
-    "worker_idle": "Worker idle gap: time it waited for the next plan.",
+    "worker_idle": "Worker idle gap: time it waited for the next plan while there was work "
+    "(a wait that began with an engine holding no requests is not counted).",
 }
 
 
@@ -78,3 +79,29 @@ class BusyTracker:
         if not self._samples:
             return 0.0
         return min(1.0, sum(b for _, b in self._samples) / self.window_s)
+
+
+class IdleGapAccounting:
+    """Which worker waits count as idle gaps. A worker waits for every plan, but a wait that
+    began while the engine held no requests is the absence of work, not the host falling
+    behind; counting it made one quiet second before a benchmark dominate the idle fraction."""
+
+    def __init__(self) -> None:
+        self._engine_idle = True  # nothing has been scheduled yet
+        self._after_idle: set[int] = set()
+
+    def engine_idle(self) -> None:
+        """The scheduler has no requests and no step in flight."""
+        self._engine_idle = True
+
+    def plan_sent(self, step_id: int) -> None:
+        if self._engine_idle:
+            self._after_idle.add(step_id)
+            self._engine_idle = False
+
+    def gap(self, step_id: int, waited_s: float) -> float:
+        """The idle gap to record for this step's result."""
+        if step_id in self._after_idle:
+            self._after_idle.discard(step_id)
+            return 0.0
+        return waited_s

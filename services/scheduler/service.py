@@ -39,7 +39,7 @@ from common.messages import (
     pack_ids,
     unpack_ids,
 )
-from common.telemetry import BusyTracker, StepTelemetry
+from common.telemetry import BusyTracker, IdleGapAccounting, StepTelemetry
 from common.validation import check_request
 from services.engine_args import add_engine_args, engine_config_from_args
 from services.scheduler.block_manager import BlockManager
@@ -78,6 +78,7 @@ class SchedulerService:
         self.stats_due = asyncio.Event()
         self.telemetry = StepTelemetry.empty()
         self.busy = BusyTracker()
+        self.idle_gaps = IdleGapAccounting()
         self.scheduler: Scheduler | None = None
         self.blocks: BlockManager | None = None
         self.max_model_len = 0
@@ -166,6 +167,7 @@ class SchedulerService:
                 t1 = time.perf_counter()
                 if plan.num_requests or plan.finished_req_ids:
                     plan.sent_at = time.time()
+                    self.idle_gaps.plan_sent(plan.step_id)
                     await self.plans.send(encoder.encode(plan))
                     inflight.append(plan)
                     self.telemetry.observe("schedule", t1 - t0)
@@ -183,6 +185,7 @@ class SchedulerService:
                 if not self.scheduler.has_unfinished():
                     self.stats_due.set()
                 continue
+            self.idle_gaps.engine_idle()
             self.wakeup.clear()
             await self.wakeup.wait()
 
@@ -195,7 +198,7 @@ class SchedulerService:
         t.observe("worker_prepare", result.prepare_s)
         t.observe("worker_forward", result.forward_s)
         t.observe("worker_sample", result.sample_s)
-        t.observe("worker_idle", result.idle_s)
+        t.observe("worker_idle", self.idle_gaps.gap(result.step_id, result.idle_s))
         self.busy.add(result.prepare_s + result.forward_s + result.sample_s)
 
     def _publish(self, updates: list[RequestUpdate]) -> None:
