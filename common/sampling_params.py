@@ -28,8 +28,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI)
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 100.0
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +65,12 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
             raise ValueError("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be a list of non-negative integers")
+        if self.logit_bias:
+            if any(not isinstance(t, int) or t < 0 for t in self.logit_bias):
+                raise ValueError("logit_bias keys must be non-negative token ids")
+            limit = self.MAX_LOGIT_BIAS
+            if any(not -limit <= b <= limit for b in self.logit_bias.values()):
+                raise ValueError(f"logit_bias values must be in [-{limit:g}, {limit:g}]")
 
     @property
     def uses_penalties(self) -> bool:

@@ -20,6 +20,8 @@ def check_request(
         raise ValueError("the prompt is empty")
     if any(not 0 <= t < vocab_size for t in prompt_token_ids):
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
     if num_prompt >= max_model_len:
         raise ValueError(
             f"the prompt has {num_prompt} tokens, but the model's context length is "

@@ -246,8 +246,9 @@ class Api:
 
 def _error_param(message: str, kind: str) -> str:
     """Best guess at which parameter a tokenizer/scheduler rejection is about."""
-    if "max_tokens" in message:
-        return "max_tokens"
+    for param in ("max_tokens", "logit_bias"):
+        if param in message:
+            return param
     return "messages" if kind == "chat" else "prompt"
 
 

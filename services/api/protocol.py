@@ -69,6 +69,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> bias
     user: str | None = None
 
 
@@ -182,6 +183,7 @@ def _sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None)
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        logit_bias=_logit_bias(req.logit_bias),
         **{k: v for k, v in given.items() if v is not None},
     )
     try:
@@ -190,6 +192,15 @@ def _sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None)
         first = str(e).split(" ", 1)[0]
         raise ApiError(str(e), param=first if hasattr(req, first) else None) from None
     return params
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    try:
+        return {int(token): float(value) for token, value in bias.items()}
+    except ValueError:
+        raise ApiError("logit_bias keys must be token ids", param="logit_bias") from None
 
 
 def completion_generation(req: CompletionRequest) -> Generation:

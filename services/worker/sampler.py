@@ -46,6 +46,7 @@ class SamplingBatch:
     repetition: torch.Tensor | None  # [B] float32
     prompt_ids: torch.Tensor | None  # [B, Lp] int64 padded with V; only if repetition is used
     output_ids: torch.Tensor | None  # [B, Lo] int64 padded with V; only if penalties are used
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # logit_bias: rows, ids, values
     seeded: list[tuple[int, int]]  # (row, generator seed mixed from (seed, output position))
     max_num_logprobs: int | None  # None: no row asked for logprobs
     all_greedy: bool
@@ -105,6 +106,7 @@ class SamplingBatch:
             repetition=None if no_penalties else f32([p.repetition_penalty for p in params]),
             prompt_ids=_pad(prompt_ids, V, device) if use_repetition else None,
             output_ids=None if no_penalties else _pad(output_ids, V, device),
+            bias=_bias(params, device),
             seeded=[
                 (i, (p.seed * _SEED_MIX + len(out)) & _MASK63)
                 for i, (p, out) in enumerate(zip(params, output_ids, strict=True))
@@ -118,6 +120,25 @@ class SamplingBatch:
             no_top_p=no_top_p,
             no_min_p=no_min_p,
         )
+
+
+def _bias(
+    params: list[SamplingParams], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Every row's logit_bias as flat (rows, token ids, values), or None when no row has one."""
+    entries = [
+        (row, token, value)
+        for row, p in enumerate(params)
+        for token, value in (p.logit_bias or {}).items()
+    ]
+    if not entries:
+        return None
+    rows, ids, values = zip(*entries)
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(ids, dtype=torch.int64, device=device),
+        torch.tensor(values, dtype=torch.float32, device=device),
+    )
 
 
 def _pad(seqs: list[Sequence[int]], pad: int, device: torch.device | str) -> torch.Tensor:
@@ -135,13 +156,21 @@ def _counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Out-of-place vLLM penalties on float32 [B, V] logits.
+    """Out-of-place vLLM penalties, then logit_bias, on float32 [B, V] logits.
 
     Repetition (tokens in prompt OR output): positive logits / p, others * p. Then frequency
-    (f * output count) and presence (p * [output count > 0]) are subtracted.
+    (f * output count) and presence (p * [output count > 0]) are subtracted, and each row's
+    logit_bias values added to their tokens (OpenAI semantics: -100 bans, +100 forces).
     """
-    if batch.no_penalties:
-        return logits
+    if not batch.no_penalties:
+        logits = _penalise(logits, batch)
+    if batch.bias is not None:
+        rows, ids, values = batch.bias
+        logits = logits.index_put((rows, ids), values, accumulate=True)
+    return logits
+
+
+def _penalise(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     assert batch.output_ids is not None and batch.presence is not None
     assert batch.frequency is not None and batch.repetition is not None
     V = batch.vocab_size

@@ -221,3 +221,20 @@ def test_n_fans_out_with_seeds(server, client, llm):
         for c in chunk.choices:
             texts[c.index] += c.text
     assert texts == [o.text for o in ref.outputs]
+
+
+def test_logit_bias_bans_the_greedy_token_as_offline(server, client, llm):
+    """logit_bias travels from the client to the sampler: banning the greedy first token gives
+    what the offline engine gives with the same bias."""
+    first = _greedy(llm, PROMPT_IDS).token_ids[0]
+    bias = {first: -100.0}
+    ref = _greedy(llm, PROMPT_IDS, logit_bias=bias)
+    assert ref.token_ids[0] != first and first not in ref.token_ids
+    out = client.completions.create(
+        model=server.model_name,
+        prompt=PROMPT_IDS,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logit_bias={str(first): -100},
+    )
+    assert out.choices[0].text == ref.text

@@ -49,7 +49,12 @@ def shared_prefix_prompts(seed: int) -> list[list[int]]:
 
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-PENALTIES = {"frequency_penalty": 0.4, "presence_penalty": 0.3, "repetition_penalty": 1.2}
+PENALTIES = {
+    "frequency_penalty": 0.4,
+    "presence_penalty": 0.3,
+    "repetition_penalty": 1.2,
+    "logit_bias": {5: 1.5, 9: -2.0, 17: 3.0},  # applied to the target logits a verify checks
+}
 
 
 @dataclasses.dataclass(frozen=True)

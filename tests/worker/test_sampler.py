@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -198,3 +200,29 @@ def test_no_logprobs_when_none_asked():
     assert out.logprobs is None and out.top_ids is None and out.top_logprobs is None
     out = Sampler()(torch.randn(2, V), build([SamplingParams(logprobs=0), SamplingParams()]))
     assert out.top_ids is not None and out.top_ids.shape == (2, 0)
+
+
+def test_logit_bias_forces_and_bans_tokens_and_leaves_logprobs_raw():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(3))
+    forced = SamplingParams(temperature=0.0, logit_bias={5: 100.0}, logprobs=1)
+    banned_top = int(logits[1].argmax())
+    banned = SamplingParams(temperature=0.0, logit_bias={banned_top: -100.0})
+    plain = SamplingParams(temperature=0.0)
+    out = Sampler()(logits, build([forced, banned, plain]))
+    assert out.token_ids[0] == 5
+    assert out.token_ids[1] != banned_top
+    assert out.token_ids[1] == int(logits[1].topk(2).indices[1])  # the runner-up
+    assert out.token_ids[2] == int(logits[2].argmax())  # rows without a bias are untouched
+    raw = torch.log_softmax(logits[0], dim=-1)[5]  # logprobs stay those of the raw logits
+    torch.testing.assert_close(out.logprobs[0], raw)
+
+
+def test_logit_bias_reshapes_the_sampled_distribution():
+    """Bias b multiplies a token's odds by e^b: -100 removes it, log(2) doubles it."""
+    params = SamplingParams(temperature=1.0, logit_bias={0: -100.0, 1: math.log(2.0)})
+    expected = PROBS.clone()
+    expected[0] = 0.0
+    expected[1] *= 2.0
+    got = empirical(params)
+    assert got[0] == 0.0
+    assert (got - expected / expected.sum()).abs().max() < TOL
