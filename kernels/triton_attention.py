@@ -17,10 +17,11 @@ Kernels and launch shapes
   group, not once per query head. Keys are walked in tiles of BLOCK_N positions; a tile may span
   several cache blocks, each key's block id is gathered from the block table. Online softmax
   (running max / sum, base-2 exponentials with scale * log2(e) folded in). S > 1 is split-K
-  ("flash decoding"): split s covers keys [s * P, (s + 1) * P), writes its unnormalised
-  accumulator and (max, sum) to float32 scratch, and `_decode_reduce_kernel` (grid (B, Hq))
-  merges them. S is chosen from the launch shape only (batch * Hk vs the SM count, and the block
-  table width as the longest possible context), so no host sync and CUDA-graph friendly.
+  ("flash decoding"): split s covers keys [s * P, (s + 1) * P), P being the sequence's own
+  context / S in whole tiles, writes its unnormalised accumulator and (max, sum) to float32
+  scratch, and `_decode_reduce_kernel` (grid (B, Hq)) merges them. S is chosen from the launch
+  shape only (batch * Hk vs the SM count, and the block table width as the longest possible
+  context), so no host sync and CUDA-graph friendly.
 - `paged_attention_varlen` / `paged_prefill_attention` / `causal_attention`: one kernel,
   grid (cdiv(max_query_len, BLOCK_Q), R, Hk). Several requests go in one launch: request r's
   queries are rows [cu_seqlens_q[r], cu_seqlens_q[r + 1]) of the flat query, and its keys are
@@ -190,7 +191,6 @@ def _decode_kernel(
     L_PART,
     ACC_PART,
     scale_log2,
-    partition,
     stride_qb,
     stride_qh,
     stride_kcb,
@@ -217,6 +217,10 @@ def _decode_kernel(
     s = tl.program_id(2)
     num_splits = tl.num_programs(2)
     ctx = tl.load(CL + b).to(tl.int32)
+    # Each sequence splits its own context evenly (whole tiles per split): with tables padded to
+    # the longest possible context (CUDA graphs), splitting the table width would leave short
+    # sequences' work on one split. Splits past the context write an empty (max, sum) = (-inf, 0).
+    partition = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = s * partition
     end = tl.minimum(ctx, start + partition)
 
@@ -344,9 +348,8 @@ def paged_decode_attention(
     max_context = block_tables.shape[1] * page
     if num_splits is None:
         num_splits = _decode_splits(batch, num_kv_heads, max_context, block_n, query.device)
-    # Keys per split, a whole number of tiles; recount splits so none starts past max_context.
-    partition = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max_context, partition))
+    # Each split gets at least one whole tile of the longest possible context.
+    num_splits = max(1, min(num_splits, triton.cdiv(max_context, block_n)))
     split = num_splits > 1
     if split:
         m_part = _empty((batch, num_heads, num_splits), torch.float32, query.device)
@@ -366,7 +369,6 @@ def paged_decode_attention(
         l_part,
         acc_part,
         scale * LOG2E,
-        partition,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),

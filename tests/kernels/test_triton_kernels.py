@@ -157,6 +157,18 @@ def test_decode_split_k_matches_reference(num_splits, block_n):
     torch.testing.assert_close(got, ref_attn.paged_decode_attention(*args), **TOL)
 
 
+def test_decode_split_k_divides_each_sequence_not_the_table():
+    """Tables padded far past every context (as CUDA graphs pad them): each sequence splits its
+    own context, so all splits of a short sequence hold keys and the merge stays exact."""
+    gen = _gen("split-wide")
+    lens = [3, 40, 100]
+    kc, vc, tables = _paged(gen, lens, 16, 64, spare_columns=40)
+    q = _randn(gen, len(lens), NUM_KV_HEADS * 2, 64)
+    args = (q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), 0.125)
+    got = ta.paged_decode_attention(*args, num_splits=6, block_n=16)
+    torch.testing.assert_close(got, ref_attn.paged_decode_attention(*args), **TOL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "group, head_dim, block_size", list(itertools.product(GROUPS, HEAD_DIMS, BLOCK_SIZES))
