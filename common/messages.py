@@ -170,6 +170,7 @@ class TextDelta(msgspec.Struct, array_like=True, gc=False):
     num_cached_tokens: int = 0
     queue_s: float = 0.0
     error: str | None = None  # request rejected (e.g. prompt too long): 400 with this message
+    error_status: int = 400  # 503 when the server lost the request (its tokenizer died)
 
 
 class TextBatch(msgspec.Struct, array_like=True, gc=False, tag="text"):

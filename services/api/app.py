@@ -162,6 +162,8 @@ class Api:
             if first is _DISCONNECTED:
                 return Response(status_code=499)
             if first.error is not None:
+                if first.error_status != 400:  # the server lost it (e.g. its tokenizer died)
+                    raise ApiError(first.error, status=first.error_status, type="server_error")
                 raise ApiError(first.error, param=_error_param(first.error, kind))
             if gen.stream:
                 streaming = True  # from here the SSE response owns the release

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 
 import msgspec
@@ -29,9 +30,14 @@ from common.messages import (
     num_ids,
 )
 from services.api.metrics import EngineSnapshot, Metrics
+from services.api.protocol import ApiError
 
 log = logging.getLogger("stoker.api")
 STALE_S = 2.0  # a tokenizer or scheduler silent for longer is unhealthy
+# A tokenizer silent this long is gone: its in-flight requests fail with a 503 and it is
+# forgotten (a restarted tokenizer heartbeats under a new id). Generous, because a busy box can
+# starve a niced tokenizer for a while without it being dead.
+LOST_S = float(os.environ.get("STOKER_TOKENIZER_LOST_S", "10"))
 TOMBSTONE_S = 60.0
 
 
@@ -43,6 +49,8 @@ class _Track:
     arrival: float
     first: float | None = None
     last: float = 0.0
+    tokenizer: str = ""  # the tokenizer it was sent to, and that process's pid then
+    tokenizer_pid: int = 0
 
 
 @dataclasses.dataclass
@@ -70,14 +78,19 @@ class EngineClient:
         self._ctx = zmq.asyncio.Context()
         self._inbound = self._ctx.socket(zmq.PULL)
         self._inbound.bind(bind_address(self.addresses.api_inbound))
-        self._requests = self._ctx.socket(zmq.PUSH)
+        # ROUTER: each request goes to a chosen, live tokenizer (by its routing id), so the
+        # requests of a tokenizer that dies can be failed instead of hanging.
+        self._requests = self._ctx.socket(zmq.ROUTER)
+        self._requests.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: an error, not a drop
         self._requests.bind(bind_address(self.addresses.tokenizer_requests))
+        self._next_tokenizer = 0
         self._scheduler = self._ctx.socket(zmq.DEALER)
         self._scheduler.setsockopt(zmq.ROUTING_ID, API_ROUTING_ID)
         self._scheduler.connect(self.addresses.scheduler)
         self._tasks = [
             asyncio.create_task(self._inbound_loop()),
             asyncio.create_task(self._stats_loop()),
+            asyncio.create_task(self._lost_tokenizer_loop()),
         ]
 
     async def close(self) -> None:
@@ -92,11 +105,33 @@ class EngineClient:
         """Send sub-requests to the tokenizers; all their deltas arrive on the returned queue."""
         queue: asyncio.Queue[TextDelta] = asyncio.Queue()
         now = time.monotonic()
-        for r in requests:
-            self._tracks[r.req_id] = _Track(queue, now)
-        for r in requests:
-            await self._requests.send(encoder.encode(r))
+        tracks = [_Track(queue, now) for _ in requests]
+        for r, track in zip(requests, tracks):  # registered first: a delta may beat the send
+            self._tracks[r.req_id] = track
+        try:
+            for r, track in zip(requests, tracks):
+                await self._send_to_tokenizer(encoder.encode(r), track)
+        except ApiError:
+            self.release([r.req_id for r in requests])
+            raise
         return queue
+
+    async def _send_to_tokenizer(self, payload: bytes, track: _Track) -> None:
+        """To the next live tokenizer, round robin; 503 when none takes it."""
+        now = time.monotonic()
+        alive = sorted(t for t, s in self.tokenizers.items() if now - s.last_seen < STALE_S)
+        for i in range(len(alive)):
+            name = alive[(self._next_tokenizer + i) % len(alive)]
+            track.tokenizer, track.tokenizer_pid = name, self.tokenizers[name].pid
+            try:
+                await self._requests.send_multipart([name.encode(), payload])
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH:
+                    raise
+                continue  # it heartbeats but its request socket is gone or not yet connected
+            self._next_tokenizer = (self._next_tokenizer + i + 1) % len(alive)
+            return
+        raise ApiError("no tokenizer process is available", status=503, type="server_error")
 
     def release(self, req_ids: list[str]) -> None:
         """The handler is done with these ids: abort the ones still running. Never blocks, so
@@ -129,6 +164,40 @@ class EngineClient:
                     self._on_stats(msg)
             except Exception:  # one bad message must not stop all responses
                 log.exception("failed to handle %s", type(msg).__name__)
+
+    async def _lost_tokenizer_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            self.fail_lost_tokenizers(time.monotonic())
+
+    def fail_lost_tokenizers(self, now: float) -> list[str]:
+        """Fail the requests of tokenizers silent for LOST_S, or restarted since they took the
+        request (a new pid: the old process's state is gone), and forget the silent ones.
+        Returns the failed request ids."""
+        lost = {t for t, s in self.tokenizers.items() if now - s.last_seen > LOST_S}
+        failed = []
+        for req_id, track in list(self._tracks.items()):
+            current = self.tokenizers.get(track.tokenizer)
+            restarted = current is not None and current.pid != track.tokenizer_pid
+            if not (track.tokenizer in lost or restarted):
+                continue
+            failed.append(req_id)
+            del self._tracks[req_id]
+            message = f"tokenizer {track.tokenizer} stopped responding; the request was lost"
+            track.queue.put_nowait(
+                TextDelta(req_id, "", b"", finish_reason="abort", error=message, error_status=503)
+            )
+        for name in lost:
+            log.warning("tokenizer %s silent for %.0f s: forgotten", name, LOST_S)
+            del self.tokenizers[name]
+        if failed:
+            log.warning("failed %d requests of lost tokenizers", len(failed))
+            self.metrics.request_success.labels("abort").inc(len(failed))
+            # The scheduler may hold them, or get them later from a tokenizer that was only
+            # stalled: abort now, and again on any late delta (the tombstones).
+            self._aborted.update(dict.fromkeys(failed, now))
+            self._send_abort(failed)
+        return failed
 
     async def _stats_loop(self) -> None:
         while True:

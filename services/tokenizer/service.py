@@ -1,6 +1,7 @@
 """The tokenizer process: prompts -> token ids on the way in, token ids -> text on the way out.
 
-Several run side by side; the api's PUSH socket round-robins TokenizeRequests over them. Each one
+Several run side by side; the api's ROUTER sends each TokenizeRequest to one of them by routing
+id, round robin over those heartbeating. Each one
 owns the detokenizer state of the requests it admitted, and the scheduler sends their tokens back
 to it by routing id, so no state is shared between tokenizers.
 """
@@ -181,7 +182,10 @@ class TokenizerService:
 
     async def run(self, stop: asyncio.Event) -> None:
         ctx = zmq.asyncio.Context()
-        requests = ctx.socket(zmq.PULL)
+        # The api addresses each request to one tokenizer by this id, so when a tokenizer dies
+        # it knows which requests died with it.
+        requests = ctx.socket(zmq.DEALER)
+        requests.setsockopt(zmq.ROUTING_ID, self.id.encode())
         requests.connect(self.addresses.tokenizer_requests)
         scheduler = ctx.socket(zmq.DEALER)
         scheduler.setsockopt(zmq.ROUTING_ID, self.id.encode())

@@ -1,0 +1,112 @@
+"""A tokenizer that dies or stalls must not leave its requests hanging: the api addresses each
+request to one tokenizer, and fails the requests of a tokenizer silent for LOST_S (or restarted
+under a new pid) with a 503, aborting them upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from common.addresses import Addresses
+from common.config import DEFAULT_MODEL
+from services.api import engine_client
+from services.api.engine_client import EngineClient, _Tokenizer, _Track
+from tests.deploy.procs import free_port, wait_healthy
+
+
+def _client() -> EngineClient:
+    client = EngineClient(Addresses.in_run_dir("/nonexistent"), num_tokenizers=2)
+    client.aborts = []
+    client._send_abort = client.aborts.extend  # no sockets in this test
+    return client
+
+
+def test_requests_of_silent_or_restarted_tokenizers_fail_with_503():
+    client = _client()
+    now = 1000.0
+    client.tokenizers = {
+        "tok-a": _Tokenizer(pid=11, requests_served=1, last_seen=now - engine_client.LOST_S - 1),
+        "tok-b": _Tokenizer(pid=22, requests_served=1, last_seen=now),
+        "tok-c": _Tokenizer(pid=34, requests_served=1, last_seen=now),  # restarted: was 33
+    }
+    queues = {name: asyncio.Queue() for name in ("r1", "r2", "r3")}
+    client._tracks = {
+        "r1": _Track(queues["r1"], now, tokenizer="tok-a", tokenizer_pid=11),
+        "r2": _Track(queues["r2"], now, tokenizer="tok-b", tokenizer_pid=22),
+        "r3": _Track(queues["r3"], now, tokenizer="tok-c", tokenizer_pid=33),
+    }
+    assert sorted(client.fail_lost_tokenizers(now)) == ["r1", "r3"]
+    for name in ("r1", "r3"):
+        delta = queues[name].get_nowait()
+        assert delta.error_status == 503 and delta.finish_reason == "abort"
+        assert "stopped responding" in delta.error
+    assert queues["r2"].empty() and list(client._tracks) == ["r2"]
+    assert sorted(client.aborts) == ["r1", "r3"] and {"r1", "r3"} <= set(client._aborted)
+    assert "tok-a" not in client.tokenizers  # forgotten; tok-c (alive, new pid) stays
+    assert sorted(client.tokenizers) == ["tok-b", "tok-c"]
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.skipif(
+    not (DEFAULT_MODEL / "config.json").exists(), reason="the bundled model is not built"
+)
+def test_a_stalled_tokenizer_fails_its_requests_and_the_others_serve(tmp_path):
+    """Real processes: freeze one of two tokenizers (SIGSTOP keeps its sockets open, so the
+    api cannot route around it) and send four requests: the two addressed to it come back as
+    503s once it has been silent for LOST_S, the other two complete; later requests succeed."""
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", STOKER_TOKENIZER_LOST_S="2")
+    env.update(Addresses.in_run_dir(str(tmp_path)).to_env())
+    model = str(DEFAULT_MODEL)
+    py = [sys.executable, "-m", "services.cli"]
+    cmds = [
+        [*py, "worker", "--model", model],
+        [*py, "scheduler", "--model", model],
+        [*py, "tokenizer", "--model", model, "--id", "tok-a"],
+        [*py, "tokenizer", "--model", model, "--id", "tok-b"],
+        [*py, "api", "--model", model, "--port", str(port), "--num-tokenizers", "2"],
+    ]
+    procs = [subprocess.Popen(c, env=env) for c in cmds]
+    stalled = procs[2]
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(f"{base}/health", procs=procs)
+        stalled.send_signal(signal.SIGSTOP)
+        body = {"model": "stoker-tiny", "prompt": [5, 6, 7], "max_tokens": 8}
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda _: _post(f"{base}/v1/completions", body), range(4)))
+        statuses = sorted(status for status, _ in results)
+        assert statuses == [200, 200, 503, 503], results
+        lost = [out for status, out in results if status == 503]
+        assert all("tok-a stopped responding" in out["error"]["message"] for out in lost)
+        for _ in range(3):  # tok-a is forgotten: everything goes to tok-b
+            status, out = _post(f"{base}/v1/completions", body)
+            assert status == 200 and out["usage"]["completion_tokens"] == 8
+    finally:
+        stalled.send_signal(signal.SIGCONT)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
