@@ -62,3 +62,20 @@ def post_json(url: str, body: bytes) -> dict:
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
         return json.loads(resp.read())
+
+
+def stop_all(procs, timeout: float = 20.0) -> None:
+    """SIGTERM every process still running, then wait; one that will not stop is killed and
+    the test fails (a service that ignores SIGTERM is a bug)."""
+    import signal
+    import subprocess
+
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise

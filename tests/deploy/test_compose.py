@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.deploy.procs import free_port, post_json, wait_healthy
+from tests.deploy.procs import free_port, post_json, stop_all, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
@@ -71,12 +70,4 @@ def test_services_run_as_local_processes():
         out = post_json(f"http://127.0.0.1:{api_port}/v1/completions", body.encode())
         assert out["choices"][0]["text"] and out["usage"]["completion_tokens"] == 8
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                raise
+        stop_all(procs)

@@ -20,7 +20,7 @@ from common.addresses import Addresses
 from common.config import DEFAULT_MODEL
 from services.api import engine_client
 from services.api.engine_client import EngineClient, _Tokenizer, _Track
-from tests.deploy.procs import free_port, wait_healthy
+from tests.deploy.procs import free_port, stop_all, wait_healthy
 
 
 def _client() -> EngineClient:
@@ -103,10 +103,4 @@ def test_a_stalled_tokenizer_fails_its_requests_and_the_others_serve(tmp_path):
             assert status == 200 and out["usage"]["completion_tokens"] == 8
     finally:
         stalled.send_signal(signal.SIGCONT)
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
