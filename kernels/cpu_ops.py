@@ -84,13 +84,10 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor | None:
     """Native decode attention when it applies (CPU, float32); None means use the reference."""
-    if query.device.type != "cpu" or query.dtype != torch.float32:
-        return None
-    module = load()
     heads, kv_heads, head_dim = query.shape[1], key_cache.shape[2], query.shape[2]
-    if module is None or heads % kv_heads or not module.supports(head_dim, heads // kv_heads):
+    if not supports(query.dtype, query.device, heads, kv_heads, head_dim):
         return None
-    return module.paged_decode_attention(
+    return load().paged_decode_attention(  # type: ignore[union-attr]
         query, key_cache, value_cache, block_tables, context_lens, scale
     )
 

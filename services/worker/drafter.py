@@ -12,7 +12,6 @@ import msgspec
 import torch
 
 from common.sampling_params import SamplingParams
-from kernels.dispatch import decode_reads_cache_in_place
 from services.worker.kv_sizing import kv_block_bytes
 from services.worker.loader import check_model_folder, load_model
 from services.worker.model_config import ModelConfig, ModelLoadError
@@ -23,7 +22,7 @@ from services.worker.sampler import (
     filtered_probs,
     seeded_generator,
 )
-from services.worker.step_inputs import MAX_DECODE_CHUNK, Chunk, build_step_inputs
+from services.worker.step_inputs import Chunk, build_step_inputs, max_decode_chunk
 
 _DRAFT_SALT = 0x5EED_D4AF  # keeps draft noise apart from the target sampler's (seed, position)
 
@@ -50,11 +49,7 @@ class Drafter:
             )
         self.model = load_model(folder, dtype, str(device), max_model_len)
         self.block_size, self.device = block_size, device
-        cfg = self.cfg
-        in_place = decode_reads_cache_in_place(
-            device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        )
-        self.decode_chunk = MAX_DECODE_CHUNK if in_place else 1
+        self.decode_chunk = max_decode_chunk(device, dtype, self.cfg)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.computed: dict[str, int] = {}  # per request: positions whose draft K/V is valid
         # Its own stream, distinct from the target sampler's: proposals drawn with the same noise

@@ -19,7 +19,6 @@ from common.config import EngineConfig
 from common.messages import StepPlan, StepResult, TokenLogprobs, pack_ids, unpack_ids
 from common.sampling_params import SamplingParams
 from kernels import cpu_ops
-from kernels.dispatch import decode_reads_cache_in_place
 from services.worker.cpu_tuning import keep_freed_memory
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from services.worker.drafter import Drafter
@@ -35,9 +34,9 @@ from services.worker.model_config import ModelConfig
 from services.worker.sampler import Sampler, SamplingBatch
 from services.worker.spec_verify import VerifyGroup, verify
 from services.worker.step_inputs import (
-    MAX_DECODE_CHUNK,
     Chunk,
     build_step_inputs,
+    max_decode_chunk,
     sample_ranges,
 )
 
@@ -92,11 +91,7 @@ class ModelRunner:
         self.model = None
         if not config.null_model:
             self.model = load_model(folder, self.dtype, config.device, self.max_model_len)
-        cfg = self.model_cfg
-        in_place = decode_reads_cache_in_place(
-            self.device, self.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        )
-        self.decode_chunk = MAX_DECODE_CHUNK if in_place else 1
+        self.decode_chunk = max_decode_chunk(self.device, self.dtype, self.model_cfg)
         self.drafter: Drafter | None = None
         if config.speculative == "draft" and not config.null_model:
             assert config.speculative_model is not None

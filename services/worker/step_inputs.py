@@ -12,7 +12,9 @@ import dataclasses
 import numpy as np
 import torch
 
+from kernels.dispatch import decode_reads_cache_in_place
 from services.worker.attention_metadata import AttentionMetadata, PrefillSpan
+from services.worker.model_config import ModelConfig
 
 
 @dataclasses.dataclass
@@ -39,14 +41,23 @@ class StepInputs:
 MAX_DECODE_CHUNK = 16
 
 
+def max_decode_chunk(device: torch.device, dtype: torch.dtype, cfg: ModelConfig) -> int:
+    """The longest chunk to lay out as decode rows for this model: MAX_DECODE_CHUNK where the
+    decode attention reads the cache in place, else 1 (the reference gathers each row's whole
+    context, so one row per position of a verify would gather it k + 1 times)."""
+    in_place = decode_reads_cache_in_place(
+        device, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    )
+    return MAX_DECODE_CHUNK if in_place else 1
+
+
 def build_step_inputs(
     chunks: list[Chunk],
     block_size: int,
     device: torch.device,
     max_decode_chunk: int = MAX_DECODE_CHUNK,
 ) -> StepInputs:
-    """max_decode_chunk: the longest chunk laid out as decode rows. Pass 1 when the decode
-    attention is the gathering reference (`dispatch.decode_reads_cache_in_place`)."""
+    """max_decode_chunk: the longest chunk laid out as decode rows (see `max_decode_chunk`)."""
     bs = block_size
     short = [len(c.token_ids) <= max_decode_chunk for c in chunks]
     order = [i for i, c in enumerate(chunks) if short[i]]
