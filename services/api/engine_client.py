@@ -182,7 +182,6 @@ class EngineClient:
             if not (track.tokenizer in lost or restarted):
                 continue
             failed.append(req_id)
-            del self._tracks[req_id]
             message = f"tokenizer {track.tokenizer} stopped responding; the request was lost"
             track.queue.put_nowait(
                 TextDelta(req_id, "", b"", finish_reason="abort", error=message, error_status=503)
@@ -193,10 +192,9 @@ class EngineClient:
         if failed:
             log.warning("failed %d requests of lost tokenizers", len(failed))
             self.metrics.request_success.labels("abort").inc(len(failed))
-            # The scheduler may hold them, or get them later from a tokenizer that was only
-            # stalled: abort now, and again on any late delta (the tombstones).
-            self._aborted.update(dict.fromkeys(failed, now))
-            self._send_abort(failed)
+            # As a client that went away: the scheduler may hold them, or get them later from a
+            # tokenizer that was only stalled; release aborts now and tombstones late deltas.
+            self.release(failed)
         return failed
 
     async def _stats_loop(self) -> None:
