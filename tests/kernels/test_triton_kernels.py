@@ -487,7 +487,7 @@ def test_tiny_model_forced_triton_matches_torch(tmp_path, monkeypatch):
 
     want_ids, want_lps = run()
 
-    for name in (
+    kernels = (
         "store_kv",
         "paged_decode_attention",
         "paged_prefill_attention",
@@ -495,7 +495,8 @@ def test_tiny_model_forced_triton_matches_torch(tmp_path, monkeypatch):
         "rms_norm",
         "add_rms_norm",
         "apply_rotary",
-    ):
+    )
+    for name in kernels:
         monkeypatch.setattr(llama, name, getattr(dispatch, name))
     counts: dict[str, int] = {}
 
@@ -514,15 +515,7 @@ def test_tiny_model_forced_triton_matches_torch(tmp_path, monkeypatch):
         counting(ta if name == "causal_attention" else tn, name)
     with dispatch.force_triton():
         got_ids, got_lps = run()
-    assert set(counts) == {
-        "store_kv",
-        "paged_decode_attention",
-        "paged_prefill_attention",
-        "causal_attention",
-        "rms_norm",
-        "add_rms_norm",
-        "apply_rotary",
-    }, counts
+    assert set(counts) == set(kernels), counts  # every kernel ran on triton
     assert got_ids == want_ids
     for got, want in zip(got_lps, want_lps):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL)

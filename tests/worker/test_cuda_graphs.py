@@ -97,19 +97,24 @@ def test_capture_sizes_ladder():
     assert capture_sizes(256)[-3:] == [240, 248, 256] and len(capture_sizes(256)) == 35
 
 
-def test_padding_rows_write_the_scratch_block_only():
-    """The persistent buffer after prepare(): real rows, then padding that stores into the
-    scratch block and attends to one slot of it; tables padded to max_model_len columns."""
-    graphs = DecodeGraphs(
-        None,  # prepare() never touches the model
+def _unmodelled_graphs(max_model_len: int, scratch_block: int) -> DecodeGraphs:
+    """Eager-replay graphs of batch sizes up to 8 and no model: prepare() never touches it."""
+    return DecodeGraphs(
+        None,
         [],
         max_batch=8,
-        max_model_len=100,
+        max_model_len=max_model_len,
         block_size=16,
-        scratch_block=50,
+        scratch_block=scratch_block,
         device=torch.device("cpu"),
         capture=False,
     )
+
+
+def test_padding_rows_write_the_scratch_block_only():
+    """The persistent buffer after prepare(): real rows, then padding that stores into the
+    scratch block and attends to one slot of it; tables padded to max_model_len columns."""
+    graphs = _unmodelled_graphs(max_model_len=100, scratch_block=50)
     chunks = [Chunk([7], 0, [3], 1), Chunk([8], 37, [4, 9, 11], 1), Chunk([9], 16, [5, 6], 0)]
     graphs.prepare(chunks)
     entry, num = graphs._pending
@@ -130,16 +135,7 @@ def test_padding_rows_write_the_scratch_block_only():
 def test_block_table_columns_only_ever_hold_block_ids():
     """A smaller batch after a larger one: unused table columns must still be block ids (the
     torch reference gathers every column), never another batch size's ids or positions."""
-    graphs = DecodeGraphs(
-        None,
-        [],
-        max_batch=8,
-        max_model_len=64,
-        block_size=16,
-        scratch_block=10,
-        device=torch.device("cpu"),
-        capture=False,
-    )
+    graphs = _unmodelled_graphs(max_model_len=64, scratch_block=10)
     graphs.prepare([Chunk([40000 + i], 5 + i, [i], 1) for i in range(8)])
     graphs.prepare([Chunk([7], 3, [2], 1)])
     tables = graphs._pending[0].meta.decode_block_tables
