@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from common.model_registry import resolve_model
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "stoker-tiny"
 DEFAULT_DRAFT_MODEL = REPO_ROOT / "models" / "stoker-tiny-draft"
@@ -59,6 +61,10 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be positive")
         if self.speculative not in (None, "ngram", "draft"):
             raise ValueError(f"speculative must be ngram or draft, got {self.speculative!r}")
+        # A short name (smollm2, stoker-tiny, default) becomes the folder or file it names.
+        self.model = str(resolve_model(self.model))
+        if self.speculative_model:
+            self.speculative_model = str(resolve_model(self.speculative_model))
         if self.speculative_model and self.speculative is None:
             self.speculative = "draft"
         if self.speculative == "draft" and not self.speculative_model:

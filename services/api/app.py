@@ -38,7 +38,6 @@ log = logging.getLogger("stoker.api")
 
 @dataclasses.dataclass
 class ApiConfig:
-    model_path: str
     served_model_name: str
     max_request_bytes: int = 32 * 1024 * 1024
 
@@ -230,7 +229,7 @@ class Api:
             "object": "model",
             "created": 0,
             "owned_by": "stoker",
-            "root": self.config.model_path,
+            "root": self.config.served_model_name,  # never a filesystem path
             "max_model_len": stats.max_model_len if stats else None,
         }
         return _Json({"object": "list", "data": [card]})

@@ -39,6 +39,7 @@ from common.messages import (
     pack_ids,
     unpack_ids,
 )
+from common.model_config import ModelConfig
 from common.telemetry import BusyTracker, IdleGapAccounting, StepTelemetry
 from common.validation import check_request
 from services.engine_args import add_engine_args, engine_config_from_args
@@ -46,7 +47,6 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
 from services.scheduler.speculation import SpecPolicy
-from services.worker.model_config import ModelConfig
 
 log = logging.getLogger("stoker.scheduler")
 STATS_INTERVAL_S = 0.25

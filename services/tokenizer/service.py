@@ -40,10 +40,11 @@ from common.messages import (  # noqa: E402
     pack_ids,
     unpack_ids,
 )
+from common.model_config import ModelConfig, resolve_max_model_len  # noqa: E402
+from common.model_registry import resolve_model  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from common.validation import check_request  # noqa: E402
 from services.tokenizer.detokenizer import IncrementalDetokenizer  # noqa: E402
-from services.worker.model_config import ModelConfig  # noqa: E402
 
 log = logging.getLogger("stoker.tokenizer")
 HEARTBEAT_S = 0.5
@@ -56,18 +57,6 @@ class _Request:
     stop_ids: frozenset[int]  # token ids whose generation ends the request with "stop"
 
 
-def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
-    """Same rule as the worker's (without importing torch here): the model's limit, or less."""
-    limit = cfg.max_position_embeddings
-    if cfg.sliding_window:
-        limit = min(limit, cfg.sliding_window)
-    if requested is None:
-        return limit
-    if requested > limit:
-        raise ValueError(f"max_model_len {requested} exceeds the model's limit {limit}")
-    return requested
-
-
 class TokenizerService:
     def __init__(
         self,
@@ -78,6 +67,7 @@ class TokenizerService:
     ) -> None:
         self.id = tokenizer_id
         self.addresses = addresses
+        model = resolve_model(model)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model))
         cfg = ModelConfig.from_folder(model)
         self.vocab_size = cfg.vocab_size

@@ -11,10 +11,10 @@ from __future__ import annotations
 import msgspec
 import torch
 
+from common.model_config import ModelConfig, ModelLoadError
 from common.sampling_params import SamplingParams
 from services.worker.kv_sizing import kv_block_bytes
 from services.worker.loader import check_model_folder, load_model
-from services.worker.model_config import ModelConfig, ModelLoadError
 from services.worker.sampler import (
     _MASK63,
     _SEED_MIX,

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.worker.model_config import ModelConfig, ModelLoadError
+from common.model_config import ModelConfig, ModelLoadError
 from services.worker.models.llama import LlamaForCausalLM, pack_linear_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -17,6 +17,7 @@ import torch
 
 from common.config import EngineConfig
 from common.messages import StepPlan, StepResult, TokenLogprobs, pack_ids, unpack_ids
+from common.model_config import ModelConfig, resolve_max_model_len
 from common.sampling_params import SamplingParams
 from kernels import cpu_ops
 from services.worker.cpu_tuning import keep_freed_memory
@@ -30,7 +31,6 @@ from services.worker.kv_sizing import (
     profile_gpu_memory,
 )
 from services.worker.loader import check_model_folder, load_model, resolve_dtype
-from services.worker.model_config import ModelConfig
 from services.worker.sampler import Sampler, SamplingBatch
 from services.worker.spec_verify import VerifyGroup, verify
 from services.worker.step_inputs import (
@@ -64,17 +64,6 @@ class RequestState:
     num_computed: int  # tokens whose K/V are in the cache
 
 
-def resolve_max_model_len(config: EngineConfig, model_cfg: ModelConfig) -> int:
-    limit = model_cfg.max_position_embeddings
-    if model_cfg.sliding_window:  # no sliding-window attention: stay inside one window
-        limit = min(limit, model_cfg.sliding_window)
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit {limit}")
-    return config.max_model_len
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -82,7 +71,7 @@ class ModelRunner:
         self.model_cfg = ModelConfig.from_folder(folder)
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.model_cfg, config.device)
-        self.max_model_len = resolve_max_model_len(config, self.model_cfg)
+        self.max_model_len = resolve_max_model_len(self.model_cfg, config.max_model_len)
         self.block_size = config.block_size
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":

@@ -12,9 +12,9 @@ import dataclasses
 import numpy as np
 import torch
 
+from common.model_config import ModelConfig
 from kernels.dispatch import decode_reads_cache_in_place
 from services.worker.attention_metadata import AttentionMetadata, PrefillSpan
-from services.worker.model_config import ModelConfig
 
 
 @dataclasses.dataclass

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from common.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
+from common.model_config import ModelLoadError
 from services.engine import LLM, SamplingParams
-from services.worker.model_config import ModelLoadError
 from tests.factory import make_model
 from tests.spec.fakes import spec_stats
 from tests.spec.spec_models import SpecModels

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.model_config import ModelLoadError
 from services.engine import LLM, SamplingParams
-from services.worker.model_config import ModelLoadError
 from tests.factory import make_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)

@@ -22,7 +22,7 @@ from kernels.dispatch import (  # triton on CUDA, the torch references elsewhere
 )
 from kernels.rotary import rope_cos_sin, rope_inv_freq
 from services.worker.attention_metadata import AttentionMetadata
-from services.worker.model_config import ModelConfig
+from common.model_config import ModelConfig
 
 
 def _param(*shape: int) -> nn.Parameter:

@@ -1,4 +1,6 @@
-"""Parse a Hugging Face `config.json` into the few numbers the Llama-family model needs."""
+"""Parse a Hugging Face `config.json` into the few numbers the models need.
+
+Read by the worker, the scheduler and the tokenizers, so it imports nothing heavy (no torch)."""
 
 from __future__ import annotations
 
@@ -105,3 +107,16 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=generation.get("bos_token_id", raw.get("bos_token_id")),
         )
+
+
+def resolve_max_model_len(cfg: ModelConfig, requested: int | None) -> int:
+    """The longest sequence served: the model's limit, or the smaller `requested`. One rule for
+    the worker and the tokenizers (which validate prompt lengths without loading the model)."""
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window:  # no sliding-window attention: stay inside one window
+        limit = min(limit, cfg.sliding_window)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len {requested} exceeds the model's limit {limit}")
+    return requested
