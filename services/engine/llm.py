@@ -14,6 +14,7 @@ from tqdm.auto import tqdm  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from common.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from common.finish import finish_reason, text_token_ids  # noqa: E402
 from common.messages import TokenLogprobs  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.core import EngineCore  # noqa: E402
@@ -135,17 +136,19 @@ class LLM:
                     out.token_ids.extend(update.new_token_ids)
                     if update.logprobs is not None and out.logprobs is not None:
                         out.logprobs.extend(lp for lp in update.logprobs if lp is not None)
-                    finish = update.finish_reason.value if update.finish_reason else None
-                    new_ids = update.new_token_ids
-                    if finish == "stop" and not item.params.include_stop_str_in_output:
-                        new_ids = new_ids[:-1]  # like vLLM: the EOS / stop token's text is left out
-                    item.detok.add_tokens(new_ids)
-                    if finish is None and item.detok.stopped:
+                    engine_finish = update.finish_reason.value if update.finish_reason else None
+                    new_ids = text_token_ids(
+                        update.new_token_ids,
+                        engine_finish,
+                        update.request.stop_ids,
+                        item.params.include_stop_str_in_output,
+                    )
+                    out.text += item.detok.add_tokens(new_ids).text
+                    if engine_finish is None and item.detok.stopped:
                         self.engine.abort(update.req_id)
-                        finish = "stop"
+                    finish = finish_reason(engine_finish, item.detok.stopped)
                     if finish is not None:
-                        item.detok.finish()
-                        out.text = item.detok.text
+                        out.text += item.detok.finish().text
                         out.finish_reason = finish
                         bar.update(1)
         except BaseException:

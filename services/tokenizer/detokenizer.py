@@ -54,7 +54,6 @@ class IncrementalDetokenizer:
         self._skip_special = params.skip_special_tokens
         self._stops = [s for s in params.stop if s]
         self._include_stop = params.include_stop_str_in_output
-        self.text = ""
         self.stopped = False
         self.stop_reason: str | None = None
         self._held = ""  # decoded but not yet streamed: might be the start of a stop string
@@ -130,7 +129,6 @@ class IncrementalDetokenizer:
         else:
             keep = 0 if final else self._partial_stop_len(buf)
             out, self._held = buf[: len(buf) - keep], buf[len(buf) - keep :]
-        self.text += out
         return DetokenizerDelta(out, self.stopped)
 
     def _find_stop(self, buf: str) -> tuple[int, str] | None:

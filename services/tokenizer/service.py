@@ -27,6 +27,7 @@ import zmq.asyncio  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from common.addresses import Addresses  # noqa: E402
+from common.finish import finish_reason, text_token_ids  # noqa: E402
 from common.ipc import encoder, tokenize_request_decoder, tokenizer_inbound_decoder  # noqa: E402
 from common.messages import (  # noqa: E402
     Abort,
@@ -140,21 +141,14 @@ class TokenizerService:
         return deltas, stopped
 
     def _detokenize_one(self, state: _Request, item: RequestTokens) -> TextDelta:
-        finish = item.finish_reason
         ids = unpack_ids(item.token_ids)
-        # Like vLLM, the token that ended generation (eos / stop_token_ids) is not text.
-        if (
-            finish == "stop"
-            and ids
-            and ids[-1] in state.stop_ids
-            and not state.params.include_stop_str_in_output
-        ):
-            ids = ids[:-1]
+        ids = text_token_ids(
+            ids, item.finish_reason, state.stop_ids, state.params.include_stop_str_in_output
+        )
         detok = state.detok
         text = detok.add_tokens(ids).text
-        if detok.stopped:
-            finish = "stop"
-        elif finish is not None:
+        finish = finish_reason(item.finish_reason, detok.stopped)
+        if finish is not None and not detok.stopped:
             text += detok.finish().text
         return TextDelta(
             item.req_id,

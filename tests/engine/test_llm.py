@@ -143,3 +143,18 @@ def test_bad_input_raises_and_engine_keeps_working(llm, prompt, params, message)
     with pytest.raises(ValueError, match=message):
         llm.generate(["fine prompt", prompt], params)
     assert len(llm.generate(["still works"], GREEDY)[0].token_ids) == 12
+
+
+def test_stop_string_in_the_length_step_is_stop(llm):
+    """max_tokens and a stop string end the request in the same step: "stop", as the server
+    reports it (common/finish.py)."""
+    ref = llm.generate(["Friends, Romans"], GREEDY)[0]
+    text = ref.text.rstrip()
+    # The shortest tail of the text that occurs nowhere earlier completes with the last token.
+    tails = [text[i:] for i in range(len(text) - 1, -1, -1)]
+    stop = next(t for t in tails if t.strip() and text.find(t) == len(text) - len(t))
+    assert llm.tokenizer.decode(ref.token_ids[:-1]).find(stop) < 0
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop])
+    out = llm.generate(["Friends, Romans"], params)[0]
+    assert out.token_ids == ref.token_ids
+    assert out.finish_reason == "stop" and out.text == text[: len(text) - len(stop)]
