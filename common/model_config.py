@@ -46,6 +46,12 @@ class ModelConfig:
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
+        """From a Hugging Face folder, or a GGUF file (or a folder holding one)."""
+        from common.gguf_file import config_from_gguf, find_gguf
+
+        gguf = find_gguf(folder)
+        if gguf is not None:
+            return cls.from_dict(*config_from_gguf(gguf))
         folder = Path(folder)
         path = folder / "config.json"
         if not path.is_file():

@@ -1,4 +1,4 @@
-"""Token id -> (string, bytes) for logprobs, from tokenizer.json alone.
+"""Token id -> (string, bytes) for logprobs, from tokenizer.json alone (or a GGUF's metadata).
 
 The api does not detokenize text (tokenizers do); it only names single tokens in logprobs. The
 `tokenizers` library is enough for that and keeps transformers/torch out of this process.
@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+from common.tokenizer_files import tokenizer_json
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -33,9 +35,9 @@ def _byte_level_decode_map() -> dict[str, int]:
 
 class TokenStrings:
     def __init__(self, model_folder: str | Path) -> None:
-        path = Path(model_folder) / "tokenizer.json"
-        self._tok = Tokenizer.from_file(str(path))
-        decoder = json.loads(path.read_text()).get("decoder") or {}
+        spec = tokenizer_json(model_folder)
+        self._tok = Tokenizer.from_str(spec)
+        decoder = json.loads(spec).get("decoder") or {}
         kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or []}
         self._byte_level = "ByteLevel" in kinds
         self._special = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}

@@ -38,9 +38,9 @@ class Tokenizer(Protocol):
 
 
 def load_tokenizer(path: str) -> Tokenizer:
-    from transformers import AutoTokenizer
+    from common.tokenizer_files import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return load_tokenizer(path)
 
 
 def length_range(length: int, ratio: float, minimum: int = 0) -> tuple[int, int]:

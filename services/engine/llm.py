@@ -11,12 +11,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import msgspec  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
 
 from common.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from common.finish import finish_reason, text_token_ids  # noqa: E402
 from common.messages import TokenLogprobs  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
+from common.tokenizer_files import load_tokenizer  # noqa: E402
 from services.engine.core import EngineCore  # noqa: E402
 from services.tokenizer.detokenizer import IncrementalDetokenizer  # noqa: E402
 
@@ -68,7 +68,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options) -> None:
         config = EngineConfig(model=str(model or DEFAULT_MODEL), **engine_options)
         self.engine = EngineCore(config)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = load_tokenizer(config.model)
         self._ids = itertools.count()
 
     @property

@@ -24,7 +24,6 @@ import msgspec  # noqa: E402
 import uvloop  # noqa: E402
 import zmq  # noqa: E402
 import zmq.asyncio  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
 
 from common.addresses import Addresses  # noqa: E402
 from common.finish import finish_reason, text_token_ids  # noqa: E402
@@ -44,6 +43,7 @@ from common.messages import (  # noqa: E402
 from common.model_config import ModelConfig, resolve_max_model_len  # noqa: E402
 from common.model_registry import resolve_model  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
+from common.tokenizer_files import load_tokenizer  # noqa: E402
 from common.validation import check_request  # noqa: E402
 from services.tokenizer.detokenizer import IncrementalDetokenizer  # noqa: E402
 
@@ -69,7 +69,7 @@ class TokenizerService:
         self.id = tokenizer_id
         self.addresses = addresses
         model = resolve_model(model)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model))
+        self.tokenizer = load_tokenizer(model)
         cfg = ModelConfig.from_folder(model)
         self.vocab_size = cfg.vocab_size
         self.eos_ids = frozenset(cfg.eos_token_ids)

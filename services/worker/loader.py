@@ -1,4 +1,4 @@
-"""Load a Llama-family model from a local Hugging Face folder (config + safetensors)."""
+"""Load a model from a local Hugging Face folder (config + safetensors) or a GGUF file."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from common.gguf_file import find_gguf, iter_gguf_tensors
 from common.model_config import ModelConfig, ModelLoadError
 from services.worker.models.llama import LlamaForCausalLM, pack_linear_weights
 
@@ -30,8 +31,14 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: str) -> torch.dtype:
 
 
 def check_model_folder(folder: str | Path) -> Path:
-    """Fail early, with one message that names what is missing."""
+    """Fail early, with one message that names what is missing. Returns the folder, or the
+    GGUF file that `folder` names (which carries its own config and tokenizer)."""
     path = Path(folder)
+    gguf = find_gguf(path)
+    if gguf is not None:
+        return gguf
+    if path.suffix == ".gguf" and not path.exists():
+        raise ModelLoadError(f"GGUF file {path} does not exist")
     if not path.is_dir():
         raise ModelLoadError(f"model folder {path} does not exist")
     missing = []
@@ -58,6 +65,11 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def _iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) from safetensors, or dequantized from a GGUF file."""
+    if folder.suffix == ".gguf":
+        for name, values in iter_gguf_tensors(folder):
+            yield name, torch.from_numpy(values)
+        return
     for file in _weight_files(folder):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
