@@ -82,14 +82,16 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | None:
-    """Native decode attention when it applies (CPU, float32); None means use the reference."""
+    """Native decode attention when it applies (CPU, float32); None means use the reference.
+    window / softcap: None (or 0) is off."""
     heads, kv_heads, head_dim = query.shape[1], key_cache.shape[2], query.shape[2]
     if not supports(query.dtype, query.device, heads, kv_heads, head_dim):
         return None
-    return load().paged_decode_attention(  # type: ignore[union-attr]
-        query, key_cache, value_cache, block_tables, context_lens, scale
-    )
+    args = (query, key_cache, value_cache, block_tables, context_lens, scale)
+    return load().paged_decode_attention(*args, window or 0, softcap or 0.0)  # type: ignore[union-attr]
 
 
 def _native_rows(*tensors: torch.Tensor) -> ModuleType | None:

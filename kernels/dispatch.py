@@ -13,6 +13,10 @@ Every function here has the signature of its torch reference (`paged_attention.p
 Triton is imported lazily, on the first call that could use it, so CPU-only installs without
 triton import this module (and the whole package) fine.
 
+The attention functions take the per-layer `window` (sliding-window attention: a query at
+position p sees keys in (p - window, p]) and `softcap` (Gemma 2's score soft-capping), None when
+off, on every path.
+
 Extra entry points with no reference twin: `paged_attention_varlen` (many prefill / verify /
 decode requests in one launch) and `apply_rotary_by_position` (cos/sin gathered in the kernel);
 their torch fallbacks are built from the references.
@@ -132,8 +136,10 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    args = (query, key_cache, value_cache, block_tables, context_lens, scale)
+    args = (query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap)
     if _use_triton(query, key_cache, value_cache):
         return _attn().paged_decode_attention(*args)
     out = cpu_ops.paged_decode_attention(*args) if _use_native() else None
@@ -160,19 +166,26 @@ def paged_prefill_attention(
     block_table: torch.Tensor,
     context_len: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    args = (query, key_cache, value_cache, block_table, context_len, scale)
+    args = (query, key_cache, value_cache, block_table, context_len, scale, window, softcap)
     if _use_triton(query, key_cache, value_cache):
         return _attn().paged_prefill_attention(*args)
     return _ref_attn.paged_prefill_attention(*args)
 
 
 def causal_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     if _use_triton(query, key, value):
-        return _attn().causal_attention(query, key, value, scale)
-    return _ref_attn.causal_attention(query, key, value, scale)
+        return _attn().causal_attention(query, key, value, scale, window, softcap)
+    return _ref_attn.causal_attention(query, key, value, scale, window, softcap)
 
 
 def paged_attention_varlen(
@@ -184,6 +197,8 @@ def paged_attention_varlen(
     context_lens: torch.Tensor,
     max_query_len: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Requests r = 0..R-1 in one call: query rows [cu_seqlens_q[r], cu_seqlens_q[r + 1]) are the
     last positions of a context of context_lens[r] tokens in block_tables[r] (bottom-right
@@ -199,6 +214,8 @@ def paged_attention_varlen(
             context_lens,
             max_query_len,
             scale,
+            window,
+            softcap,
         )
     out = torch.empty_like(query)
     bounds, lens = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -206,7 +223,14 @@ def paged_attention_varlen(
         rows = slice(bounds[r], bounds[r + 1])
         if rows.stop > rows.start:
             out[rows] = _ref_attn.paged_prefill_attention(
-                query[rows], key_cache, value_cache, block_tables[r], context_len, scale
+                query[rows],
+                key_cache,
+                value_cache,
+                block_tables[r],
+                context_len,
+                scale,
+                window,
+                softcap,
             )
     return out
 

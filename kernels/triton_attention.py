@@ -33,6 +33,10 @@ Kernels and launch shapes
   prefix, the speculative verify step (k + 1 queries per request) and, with one query per
   request, decode. Programs whose query tile lies past their request's length return at once.
   With PAGED=False the keys are the chunk's own contiguous K/V rows (`causal_attention`).
+- Every attention kernel takes `window` (sliding-window layers: a query at position p sees keys
+  in (p - window, p], so the key loop starts at the tile's first visible key) and `softcap`
+  (Gemma 2: scores become tanh(s / softcap) * softcap before the softmax); both are switched on
+  by constexpr flags, so layers without them compile to the same code as before.
 """
 
 from __future__ import annotations
@@ -81,6 +85,13 @@ def _tile(value: int, name: str) -> int:
 
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@triton.jit
+def _softcap(scores, softcap):
+    """tanh(s / c) * c through exp (tl has no portable tanh): tanh(x) = 1 - 2 / (exp(2x) + 1),
+    which saturates cleanly at +-1 when exp overflows or underflows."""
+    return softcap * (1.0 - 2.0 / (tl.exp(2.0 * (scores / softcap)) + 1.0))
 
 
 def _empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -191,6 +202,8 @@ def _decode_kernel(
     L_PART,
     ACC_PART,
     scale_log2,
+    window,
+    softcap,
     stride_qb,
     stride_qh,
     stride_kcb,
@@ -211,6 +224,8 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -220,8 +235,11 @@ def _decode_kernel(
     # Each sequence splits its own context evenly (whole tiles per split): with tables padded to
     # the longest possible context (CUDA graphs), splitting the table width would leave short
     # sequences' work on one split. Splits past the context write an empty (max, sum) = (-inf, 0).
-    partition = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = s * partition
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(ctx - window, 0)
+    partition = tl.cdiv(tl.cdiv(ctx - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + s * partition
     end = tl.minimum(ctx, start + partition)
 
     g = tl.arange(0, BLOCK_G)
@@ -250,6 +268,8 @@ def _decode_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        if HAS_SOFTCAP:  # in base 2: c * tanh(s / c) * log2(e) with c, s both times log2(e)
+            scores = _softcap(scores, softcap)
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp2(scores - m_new[:, None])
@@ -327,6 +347,8 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
@@ -369,6 +391,8 @@ def paged_decode_attention(
         l_part,
         acc_part,
         scale * LOG2E,
+        int(window or 0),
+        float(softcap or 0.0) * LOG2E,  # scores are in base 2 in the kernel
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -390,6 +414,8 @@ def paged_decode_attention(
         DOT_PREC=_dot_precision(query.dtype),
         UPCAST=_upcast_dots(query.dtype),
         num_warps=4,
+        HAS_WINDOW=bool(window),
+        HAS_SOFTCAP=bool(softcap),
     )
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
@@ -421,6 +447,8 @@ def _varlen_attention_kernel(
     CL,
     OUT,
     scale_log2,
+    window,
+    softcap,
     single_q_len,
     single_ctx,
     stride_qt,
@@ -445,6 +473,8 @@ def _varlen_attention_kernel(
     PAGED: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """PAGED: K/V are the caches, stride_k{b,s,h} = block, slot, head. Not PAGED: K/V are the
     chunk's own [T, Hk, D] rows, stride_kb = token stride, stride_ks unused."""
@@ -486,8 +516,11 @@ def _varlen_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # Keys up to the last query position of this tile (bottom-right causal).
     kv_end = tl.minimum(ctx, prefix + tl.minimum((qt + 1) * BLOCK_Q, q_len))
+    kv_start = 0
+    if HAS_WINDOW:  # the tile's first query sees nothing before its own position - window + 1
+        kv_start = tl.maximum(prefix + qt * BLOCK_Q - window + 1, 0)
     table = BT + r.to(tl.int64) * stride_btb
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < kv_end
         if PAGED:
@@ -504,7 +537,11 @@ def _varlen_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        if HAS_SOFTCAP:  # in base 2: c * tanh(s / c) * log2(e) with c, s both times log2(e)
+            scores = _softcap(scores, softcap)
         visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (n[None, :] > q_pos[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp2(scores - m_new[:, None])
@@ -533,6 +570,8 @@ def _launch_varlen(
     max_query_len: int,
     single_ctx: int,
     scale: float,
+    window: int | None,
+    softcap: float | None,
     block_m: int | None,
     block_n: int | None,
 ) -> torch.Tensor:
@@ -570,6 +609,8 @@ def _launch_varlen(
         context_lens if context_lens is not None else dummy,
         out,
         scale * LOG2E,
+        int(window or 0),
+        float(softcap or 0.0) * LOG2E,
         max_query_len,
         single_ctx,
         query.stride(0),
@@ -590,6 +631,8 @@ def _launch_varlen(
         PAGED=paged,
         DOT_PREC=_dot_precision(query.dtype),
         UPCAST=_upcast_dots(query.dtype),
+        HAS_WINDOW=bool(window),
+        HAS_SOFTCAP=bool(softcap),
         num_warps=4,
     )
     return out
@@ -604,6 +647,8 @@ def paged_attention_varlen(
     context_lens: torch.Tensor,
     max_query_len: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -625,6 +670,8 @@ def paged_attention_varlen(
         max_query_len,
         0,
         scale,
+        window,
+        softcap,
         block_m,
         block_n,
     )
@@ -637,6 +684,8 @@ def paged_prefill_attention(
     block_table: torch.Tensor,
     context_len: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -655,6 +704,8 @@ def paged_prefill_attention(
         query.shape[0],
         int(context_len),
         scale,
+        window,
+        softcap,
         block_m,
         block_n,
     )
@@ -665,6 +716,8 @@ def causal_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -682,6 +735,8 @@ def causal_attention(
         query.shape[0],
         query.shape[0],
         scale,
+        window,
+        softcap,
         block_m,
         block_n,
     )

@@ -6,7 +6,8 @@
 bool supports(int64_t head_dim, int64_t group);
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
                                      torch::Tensor value_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale);
+                                     torch::Tensor context_lens, double scale, int64_t window,
+                                     double softcap);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
                                                       torch::Tensor w, double eps);

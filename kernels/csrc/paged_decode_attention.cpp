@@ -9,6 +9,8 @@
 // with an online softmax: per kv head, 16 dot products reduced together by a butterfly, one
 // vectorised exp, then the V rows of the same 16 tokens; the next 16 rows are prefetched. The
 // vector code uses GCC/Clang vector extensions (16 floats), which lower to AVX-512, AVX2 or SSE.
+// window > 0 (sliding-window layers) starts the walk at L - window; softcap > 0 (Gemma 2) maps
+// each score s to tanh(s / softcap) * softcap before the softmax.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -97,7 +99,8 @@ inline float hsum(v16 v) {
 // chunk's K and V rows are read back to back.
 template <int D, int G>
 void attend(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t L,
-            int64_t BS, int64_t row, int64_t nh, float sc, float* out) {
+            int64_t BS, int64_t row, int64_t nh, float sc, int64_t window, float cap,
+            float* out) {
   // nh kv heads of one request: q/out hold nh * G query heads; kc/vc point at the first head.
   constexpr int C = D / 16;
   constexpr int MAXH = 16;  // the caller splits heads into single-head tasks beyond this
@@ -109,8 +112,9 @@ void attend(const float* q, const float* kc, const float* vc, const int64_t* tab
       m[h][g] = neg_inf, l[h][g] = 0.f;
       for (int c = 0; c < C; ++c) acc[h][g][c] = v16{};
     }
-  int64_t block = 0, offset = 0;
-  for (int64_t t0 = 0; t0 < L; t0 += 16) {
+  const int64_t first = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+  int64_t block = first / BS, offset = first % BS;
+  for (int64_t t0 = first; t0 < L; t0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
     int64_t slots[16];
     for (int i = 0; i < n; ++i) {
@@ -147,6 +151,8 @@ void attend(const float* q, const float* kc, const float* vc, const int64_t* tab
           part[kBitrev4[i]] = a;
         }
         v16 s = reduce16(part);
+        if (cap > 0.f)
+          for (int i = 0; i < n; ++i) s[i] = std::tanh(s[i] / cap) * cap;
         for (int i = n; i < 16; ++i) s[i] = neg_inf;
         const float m_new = std::max(m[h][g], hmax(s));
         const float alpha = std::exp(m[h][g] - m_new);
@@ -178,7 +184,7 @@ void attend(const float* q, const float* kc, const float* vc, const int64_t* tab
 }
 
 using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
-                          int64_t, int64_t, int64_t, float, float*);
+                          int64_t, int64_t, int64_t, float, int64_t, float, float*);
 
 template <int D>
 AttendFn pick_g(int64_t G) {
@@ -212,7 +218,8 @@ bool supports(int64_t head_dim, int64_t group) { return pick(head_dim, group) !=
 
 torch::Tensor paged_decode_attention(
     torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-    torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+    torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window,
+    double softcap) {
   TORCH_CHECK(query.scalar_type() == torch::kFloat32, "float32 only");
   query = query.contiguous();
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cache must be contiguous");
@@ -236,7 +243,8 @@ torch::Tensor paged_decode_attention(
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
   // Every block the kernel will read must exist: a bad table is an error, not a stray read.
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= MB * BS, "context length out of range: ", lens[b]);
@@ -253,7 +261,7 @@ torch::Tensor paged_decode_attention(
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / groups, h = (idx % groups) * nh;
       fn(q + (b * Hq + h * G) * D, kc + h * D, vc + h * D, bt + b * MB, lens[b], BS, Hk * D, nh,
-         sc, o + (b * Hq + h * G) * D);
+         sc, window, cap, o + (b * Hq + h * G) * D);
     }
   });
   return out;
