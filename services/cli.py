@@ -17,6 +17,7 @@ USAGE = """usage: stoker COMMAND [options]
 commands:
   serve        start api, tokenizers, scheduler and worker (see `stoker serve --help`)
   generate     offline generation with the in-process engine
+  fetch-model  fetch and convert a real model into the model cache (smollm2)
   train-draft  distil a small draft model from a target model
   bench serve  load-test any OpenAI-compatible server (see `stoker bench serve --help`)
   bench offline  offline throughput: stoker vs transformers (vs vLLM-CPU)
@@ -57,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(rest)
     if command == "generate":
         return _generate(rest)
+    if command == "fetch-model":
+        from services.fetch_model import main as fetch_main
+
+        return fetch_main(rest)
     if command == "train-draft":
         from services.training.train_draft import main as train_draft_main
 
