@@ -12,7 +12,8 @@ from safetensors import safe_open
 
 from common.gguf_file import find_gguf, iter_gguf_tensors
 from common.model_config import ModelConfig, ModelLoadError
-from services.worker.models.llama import LlamaForCausalLM, pack_linear_weights
+from services.worker.models import model_class
+from services.worker.models.layers import CausalLM, pack_linear_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,45 +77,13 @@ def _iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(
-    folder: str | Path, dtype: torch.dtype, device: str, max_positions: int
-) -> LlamaForCausalLM:
+def load_model(folder: str | Path, dtype: torch.dtype, device: str, max_positions: int) -> CausalLM:
     folder = check_model_folder(folder)
     cfg = ModelConfig.from_folder(folder)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg)(cfg)
     weights = dict(_iter_tensors(folder))
-    state: dict[str, torch.Tensor] = {}
-
-    def take(name: str) -> torch.Tensor:
-        if name not in weights:
-            raise ModelLoadError(f"weights in {folder} lack tensor {name!r}")
-        return weights.pop(name)
-
-    state["embed_tokens"] = take("model.embed_tokens.weight")
-    state["norm"] = take("model.norm.weight")
-    if not cfg.tie_word_embeddings:
-        state["lm_head"] = take("lm_head.weight")
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        attn = p + "self_attn."
-        state[f"layers.{i}.input_norm"] = take(p + "input_layernorm.weight")
-        state[f"layers.{i}.post_attn_norm"] = take(p + "post_attention_layernorm.weight")
-        state[f"layers.{i}.qkv_proj"] = torch.cat(
-            [take(attn + f"{n}_proj.weight") for n in ("q", "k", "v")]
-        )
-        if cfg.attention_bias:
-            state[f"layers.{i}.qkv_bias"] = torch.cat(
-                [take(attn + f"{n}_proj.bias") for n in ("q", "k", "v")]
-            )
-        if cfg.qk_norm:
-            state[f"layers.{i}.q_norm"] = take(attn + "q_norm.weight")
-            state[f"layers.{i}.k_norm"] = take(attn + "k_norm.weight")
-        state[f"layers.{i}.o_proj"] = take(attn + "o_proj.weight")
-        state[f"layers.{i}.gate_up_proj"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-        )
-        state[f"layers.{i}.down_proj"] = take(p + "mlp.down_proj.weight")
+    state = _Checkpoint(weights, folder).state(cfg)
     # A tied checkpoint may still carry lm_head.weight; anything else left over is unexpected.
     weights.pop("lm_head.weight", None)
     leftover = [n for n in weights if "rotary_emb" not in n]
@@ -126,6 +95,97 @@ def load_model(
     if use_onednn(device, dtype):
         pack_linear_weights(model)
     return model.eval()
+
+
+class _Checkpoint:
+    """Hugging Face tensor names -> the model's fused state, per family. Tensors are popped as
+    they are taken, so whatever is left over afterwards was not expected."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], folder: Path) -> None:
+        self.weights, self.folder = weights, folder
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.weights:
+            raise ModelLoadError(f"weights in {self.folder} lack tensor {name!r}")
+        return self.weights.pop(name)
+
+    def cat(self, *names: str) -> torch.Tensor:
+        return torch.cat([self.take(n) for n in names])
+
+    def norm(self, name: str, cfg: ModelConfig) -> torch.Tensor:
+        """Gemma's RMSNorm scales by (1 + w): stored as 1 + w so the plain norm kernels apply."""
+        weight = self.take(name)
+        return weight.float() + 1.0 if cfg.kind in ("gemma2", "gemma3") else weight
+
+    def state(self, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        state = {
+            "embed_tokens": self.take("model.embed_tokens.weight"),
+            "norm": self.norm("model.norm.weight", cfg),
+        }
+        if not cfg.tie_word_embeddings:
+            state["lm_head"] = self.take("lm_head.weight")
+        for i in range(cfg.num_layers):
+            hf, ours = f"model.layers.{i}.", f"layers.{i}."
+            state[ours + "input_norm"] = self.norm(hf + "input_layernorm.weight", cfg)
+            state[ours + "post_attn_norm"] = self.norm(hf + "post_attention_layernorm.weight", cfg)
+            if cfg.kind in ("gemma2", "gemma3"):
+                state[ours + "pre_ff_norm"] = self.norm(
+                    hf + "pre_feedforward_layernorm.weight", cfg
+                )
+                state[ours + "post_ff_norm"] = self.norm(
+                    hf + "post_feedforward_layernorm.weight", cfg
+                )
+            state.update(self._attention(cfg, hf + "self_attn.", ours + "attn."))
+            if cfg.moe_layers and cfg.moe_layers[i]:
+                state.update(self._experts(cfg, hf, ours + "mlp."))
+            else:
+                state.update(self._mlp(cfg, hf + "mlp.", ours + "mlp."))
+        return state
+
+    def _attention(self, cfg: ModelConfig, hf: str, ours: str) -> dict[str, torch.Tensor]:
+        if cfg.kind == "phi3":  # fused in the checkpoint already
+            state = {ours + "qkv_proj": self.take(hf + "qkv_proj.weight")}
+        else:
+            state = {ours + "qkv_proj": self.cat(*(hf + f"{n}_proj.weight" for n in "qkv"))}
+        if cfg.attention_bias:
+            state[ours + "qkv_bias"] = self.cat(*(hf + f"{n}_proj.bias" for n in "qkv"))
+        if cfg.qk_norm:
+            state[ours + "q_norm"] = self.norm(hf + "q_norm.weight", cfg)
+            state[ours + "k_norm"] = self.norm(hf + "k_norm.weight", cfg)
+        state[ours + "o_proj"] = self.take(hf + "o_proj.weight")
+        return state
+
+    def _mlp(self, cfg: ModelConfig, hf: str, ours: str) -> dict[str, torch.Tensor]:
+        if cfg.kind == "phi3":  # [gate; up] fused in the checkpoint already
+            gate_up = self.take(hf + "gate_up_proj.weight")
+        else:
+            gate_up = self.cat(hf + "gate_proj.weight", hf + "up_proj.weight")
+        return {
+            ours + "gate_up_proj": gate_up,
+            ours + "down_proj": self.take(hf + "down_proj.weight"),
+        }
+
+    def _experts(self, cfg: ModelConfig, hf: str, ours: str) -> dict[str, torch.Tensor]:
+        """Per-expert tensors stacked to [E, 2 * inter, hidden] and [E, hidden, inter]; also
+        takes transformers 5's fused 3-D layout (mlp.experts.gate_up_proj / down_proj)."""
+        if cfg.kind == "mixtral":
+            moe = hf + "block_sparse_moe."
+            gate, up, down = "w1", "w3", "w2"
+        else:
+            moe = hf + "mlp."
+            gate, up, down = "gate_proj", "up_proj", "down_proj"
+        state = {ours + "router": self.take(moe + "gate.weight")}
+        fused = moe + "experts.gate_up_proj"
+        if fused in self.weights:
+            state[ours + "gate_up_proj"] = self.take(fused)
+            state[ours + "down_proj"] = self.take(moe + "experts.down_proj")
+            return state
+        experts = [f"{moe}experts.{e}." for e in range(cfg.num_experts)]
+        state[ours + "gate_up_proj"] = torch.stack(
+            [self.cat(e + f"{gate}.weight", e + f"{up}.weight") for e in experts]
+        )
+        state[ours + "down_proj"] = torch.stack([self.take(e + f"{down}.weight") for e in experts])
+        return state
 
 
 def use_onednn(device: str, dtype: torch.dtype) -> bool:

@@ -1,0 +1,253 @@
+"""Pieces every model family shares: linear layers (oneDNN-packable), the paged attention block,
+the gated MLP and the causal-LM shell (embedding, layer loop, final norm, logits).
+
+Tokens of every request in a step are flattened into one [T, hidden] batch, so the linear
+layers run as a few large matmuls; only attention looks at request boundaries. q/k/v and
+gate/up projections are fused at load time to halve the number of matmul calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.model_config import ModelConfig
+from kernels.dispatch import (  # triton on CUDA, the torch references elsewhere
+    add_rms_norm,
+    apply_rotary,
+    causal_attention,
+    paged_decode_attention,
+    paged_prefill_attention,
+    rms_norm,
+    store_kv,
+)
+from kernels.rotary import rope_cos_sin, rope_inv_freq
+from services.worker.attention_metadata import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin gathered by position, [T, rotary_dim]
+
+
+def param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or oneDNN's for weights packed by `pack_linear_weights` (CPU, float32)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name == "silu":
+        return F.silu
+    return lambda x: F.gelu(x, approximate="tanh")  # gelu_pytorch_tanh (Gemma)
+
+
+def pack_linear_weights(model: nn.Module) -> None:
+    """Re-lay the 2-D linear weights (each module's LINEAR_WEIGHTS) out for oneDNN. On CPU in
+    float32 its kernels run 2-3x faster than F.linear's (measured on this project's 2-core box:
+    359 vs 118 GFLOPS at 64 rows). The result equals F.linear's to float32 rounding."""
+    for module in model.modules():
+        for name in getattr(module, "LINEAR_WEIGHTS", ()):
+            weight = getattr(module, name)
+            del module._parameters[name]
+            setattr(module, name, weight.detach().to_mkldnn())
+    head = model.embed_tokens if model.lm_head is None else model.lm_head
+    model.packed_lm_head = head.detach().to_mkldnn()
+
+
+def input_norm(
+    hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's first norm: (normed, stream), folding in the previous layer's deferred add."""
+    if residual is None:
+        return rms_norm(hidden, weight, eps), hidden
+    return add_rms_norm(hidden, residual, weight, eps)
+
+
+class Attention(nn.Module):
+    """Fused q/k/v projection, optional per-head q/k norm, rotary (on the first rotary_dim
+    dims), paged attention with this layer's sliding window and score soft-cap, output
+    projection. `rope` indexes the model's rope tables (Gemma 3's local layers use their own)."""
+
+    LINEAR_WEIGHTS = ("qkv_proj", "o_proj")
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.qkv_proj = param(self.q_size + 2 * self.kv_size, cfg.hidden_size)
+        self.qkv_bias = param(self.q_size + 2 * self.kv_size) if cfg.attention_bias else None
+        self.q_norm = param(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = param(cfg.head_dim) if cfg.qk_norm else None
+        self.o_proj = param(cfg.hidden_size, self.q_size)
+        self.scale = cfg.attn_scale
+        self.window = cfg.window(layer)
+        self.softcap = cfg.attn_softcap
+        self.rotary_dim = cfg.rotary_dim
+        self.rope = 1 if cfg.local_rope_theta is not None and self.window else 0
+
+    def forward(
+        self, hidden: torch.Tensor, rope: Rope, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = linear(hidden, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = hidden.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, self.eps)
+            k = rms_norm(k, self.k_norm, self.eps)
+        q, k = self._rotary(q, k, *rope)
+        attn = self._attention(q, k, v, kv_cache, meta)
+        return linear(attn.view(num_tokens, self.q_size), self.o_proj)
+
+    def _rotary(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return apply_rotary(q, k, cos, sin)
+        # Partial rotary (Phi-3): rotate the first r dims, pass the rest through.
+        q_rot, k_rot = apply_rotary(q[..., :r].contiguous(), k[..., :r].contiguous(), cos, sin)
+        return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
+
+    def _attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        store_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+        opts = dict(window=self.window, softcap=self.softcap)
+        nd = meta.num_decode
+        decoded = None
+        if nd:
+            assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+            decoded = paged_decode_attention(
+                q[:nd],
+                key_cache,
+                value_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+                **opts,
+            )
+            if not meta.prefills:
+                return decoded  # a decode-only step: no copy into a combined output
+        out = torch.empty_like(q)
+        if decoded is not None:
+            out[:nd] = decoded
+        for span in meta.prefills:
+            rows = slice(span.start, span.end)
+            if span.block_table is None:
+                out[rows] = causal_attention(q[rows], k[rows], v[rows], self.scale, **opts)
+            else:
+                out[rows] = paged_prefill_attention(
+                    q[rows],
+                    key_cache,
+                    value_cache,
+                    span.block_table,
+                    span.context_len,
+                    self.scale,
+                    **opts,
+                )
+        return out
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up fused into one [2 * inter, hidden] weight."""
+
+    LINEAR_WEIGHTS = ("gate_up_proj", "down_proj")
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str) -> None:
+        super().__init__()
+        self.gate_up_proj = param(2 * intermediate_size, hidden_size)
+        self.down_proj = param(hidden_size, intermediate_size)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return linear(self.act(gate) * up, self.down_proj)
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers (built by `make_layer`), final norm and logits. A layer takes
+    (hidden, residual, rope, kv_cache, meta) and returns (hidden, residual): the residual add is
+    deferred into the next norm (add_rms_norm), so the stream is hidden + residual."""
+
+    embed_scale: float | None = None  # Gemma multiplies the embeddings by sqrt(hidden)
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(self.make_layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = param(cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else param(cfg.vocab_size, cfg.hidden_size)
+        self.rope_tables: list[Rope] = []
+        self.packed_lm_head: torch.Tensor | None = None
+        self._embed_scale: torch.Tensor | None = None
+
+    def make_layer(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        raise NotImplementedError
+
+    def init_rope(self, max_positions: int, device: torch.device | str) -> None:
+        """cos/sin tables, float32, built on the host (outside any meta-device context): the
+        global one, and Gemma 3's local one. Also the embedding scale, in the weights' dtype."""
+        cfg = self.cfg
+        specs = [(cfg.rope_theta, cfg.rope_scaling)]
+        if cfg.local_rope_theta is not None:
+            specs.append((cfg.local_rope_theta, None))
+        self.rope_tables = []
+        for theta, scaling in specs:
+            cos, sin = rope_cos_sin(rope_inv_freq(cfg.rotary_dim, theta, scaling), max_positions)
+            self.rope_tables.append((cos.to(device), sin.to(device)))
+        if self.embed_scale is not None:  # rounded to the dtype first, as transformers does
+            scale = torch.tensor(self.embed_scale, dtype=self.embed_tokens.dtype)
+            self._embed_scale = scale.to(device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids/positions [T] -> final hidden states [T, hidden]."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        if self._embed_scale is not None:
+            hidden = hidden * self._embed_scale
+        dtype = hidden.dtype
+        ropes = [
+            (cos[positions].to(dtype), sin[positions].to(dtype)) for cos, sin in self.rope_tables
+        ]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(hidden, residual, ropes[layer.attn.rope], kv_cache, meta)
+        hidden, _ = add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_lm_head is not None:
+            logits = linear(hidden, self.packed_lm_head)
+        else:
+            weight = self.embed_tokens if self.lm_head is None else self.lm_head
+            logits = F.linear(hidden, weight)
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
