@@ -7,7 +7,8 @@ import argparse
 import dataclasses
 import os
 
-from common.config import DEFAULT_MODEL, EngineConfig
+from common.config import EngineConfig
+from common.model_registry import DEFAULT_NAME
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -15,8 +16,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument(
         "--model",
-        default=os.environ.get("STOKER_MODEL", str(DEFAULT_MODEL)),
-        help="local Hugging Face model folder (env STOKER_MODEL; default: the bundled model)",
+        default=os.environ.get("STOKER_MODEL", DEFAULT_NAME),
+        help="a Hugging Face folder, a .gguf file, or a name: smollm2, stoker-tiny, default "
+        "(smollm2 once `stoker fetch-model smollm2` has run, else stoker-tiny); env STOKER_MODEL",
     )
     g.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
