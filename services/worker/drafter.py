@@ -20,7 +20,7 @@ from services.worker.sampler import (
     _SEED_MIX,
     SamplingBatch,
     filtered_probs,
-    seeded_generator,
+    seeded_noise,
 )
 from services.worker.step_inputs import Chunk, build_step_inputs, max_decode_chunk
 
@@ -72,18 +72,18 @@ class Drafter:
 
     def propose(
         self,
-        items: list[tuple[str, list[int], list[int], SamplingParams, int]],
+        items: list[tuple[str, list[int], list[int], SamplingParams, int, int]],
     ) -> list[tuple[list[int], torch.Tensor | None]]:
-        """items: (req_id, known token ids, block ids, params, k). Returns per item the k draft
-        ids and, for sampled requests, their proposal distributions q [k, V]."""
+        """items: (req_id, known token ids, block ids, params, k, output tokens so far). Returns
+        per item the k draft ids and, for sampled requests, their proposal distributions q."""
         drafts: list[list[int]] = [[] for _ in items]
         dists: list[list[torch.Tensor]] = [[] for _ in items]
-        params = [_proposal_params(p) for _, _, _, p, _ in items]
-        for step in range(max(k for *_, k in items)):
+        params = [_proposal_params(item[3]) for item in items]
+        for step in range(max(item[4] for item in items)):
             active = [i for i, item in enumerate(items) if len(drafts[i]) < item[4]]
             chunks = []
             for i in active:
-                req_id, tokens, blocks, _, _ = items[i]
+                req_id, tokens, blocks = items[i][:3]
                 if step == 0:  # catch up on everything not yet seen, ending at the last token
                     start = min(self.computed.get(req_id, 0), len(tokens) - 1)
                     chunks.append(Chunk(tokens[start:], start, blocks, 1))
@@ -106,19 +106,18 @@ class Drafter:
                 for row, i in enumerate(active):
                     seed = items[i][3].seed
                     if seed is not None and not params[i].greedy:
-                        # Seeded requests replay: noise from (seed, position), its own stream.
-                        position = len(items[i][1]) + step
-                        gen = seeded_generator(
-                            ((seed * _SEED_MIX + position) ^ _DRAFT_SALT) & _MASK63, self.device
-                        )
-                        noise[row].exponential_(generator=gen)
+                        # Seeded: the noise the target draws this output position with, so
+                        # the draft proposes what the target picks whenever q is close to p
+                        # (seeded verifies accept a draft iff it equals that pick).
+                        position = items[i][5] + step
+                        noise[row] = seeded_noise(seed, position, noise.shape[-1], self.device)
                 sampled = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
                 chosen = torch.where(batch.greedy, chosen, sampled)
             for row, i in enumerate(active):
                 drafts[i].append(int(chosen[row]))
                 if not params[i].greedy:
                     dists[i].append(probs[row])
-        for (req_id, tokens, _, _, k), _ in zip(items, drafts):
+        for req_id, tokens, _, _, k, _ in items:
             # Computed: the context, then d_1 .. d_{k-1} (d_k was proposed, never fed back).
             self.computed[req_id] = len(tokens) + k - 1
         return [(d, torch.stack(q) if q else None) for d, q in zip(drafts, dists)]

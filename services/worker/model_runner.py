@@ -31,7 +31,8 @@ from services.worker.kv_sizing import (
     profile_gpu_memory,
 )
 from services.worker.loader import check_model_folder, load_model, resolve_dtype
-from services.worker.sampler import Sampler, SamplingBatch
+from services.worker.sampler import Sampler, token_logprobs
+from services.worker.sampling_state import RequestSampling, Row, batch_for
 from services.worker.spec_verify import VerifyGroup, verify
 from services.worker.step_inputs import (
     Chunk,
@@ -62,6 +63,7 @@ class RequestState:
     params: SamplingParams
     block_ids: list[int]
     num_computed: int  # tokens whose K/V are in the cache
+    sampling: RequestSampling  # penalty counts and logit_bias on the device
 
 
 class ModelRunner:
@@ -197,13 +199,17 @@ class ModelRunner:
         scheduled: list[Scheduled] = []
         for new in plan.new_requests:
             prompt = unpack_ids(new.prompt_token_ids)
+            output = unpack_ids(new.output_token_ids)
             state = RequestState(
                 req_id=new.req_id,
-                token_ids=prompt + unpack_ids(new.output_token_ids),
+                token_ids=prompt + output,
                 prompt_len=len(prompt),
                 params=new.params,
                 block_ids=list(new.block_ids),
                 num_computed=new.num_computed_tokens,
+                sampling=RequestSampling(
+                    new.params, prompt, output, self.model_cfg.vocab_size, self.device
+                ),
             )
             self.requests[new.req_id] = state
             scheduled.append(Scheduled(state, new.num_scheduled_tokens))
@@ -269,6 +275,7 @@ class ModelRunner:
                     self.drafter.accept(state.req_id, len(state.token_ids), item.k, accepted)
                 state.num_computed += 1 + accepted
             state.token_ids.extend(tokens)
+            state.sampling.add(tokens)
             req_ids.append(state.req_id)
             token_ids.extend(tokens)
             counts.append(len(tokens))
@@ -294,7 +301,14 @@ class ModelRunner:
             raise RuntimeError("the plan asks for draft-model proposals but no draft is loaded")
         proposals = self.drafter.propose(
             [
-                (i.state.req_id, i.state.token_ids, i.state.block_ids, i.state.params, i.k)
+                (
+                    i.state.req_id,
+                    i.state.token_ids,
+                    i.state.block_ids,
+                    i.state.params,
+                    i.k,
+                    len(i.state.token_ids) - i.state.prompt_len,
+                )
                 for i in wanted
             ]
         )
@@ -319,19 +333,13 @@ class ModelRunner:
             vocab = self.model_cfg.vocab_size
             return [([(i.state.token_ids[-1] * 7 + 1) % vocab], None) for i in sampled]
         ranges = [r for r, c in zip(ranges, chunks) if c.num_sampled]
-        # Token lists are only read for penalties; otherwise the sampler needs just each row's
-        # output length (it seeds the noise), so skip copying every context every step.
-        with_ids = any(item.state.params.uses_penalties for item in sampled)
-        params, prompts, outputs, groups = [], [], [], []
+        rows: list[Row] = []
+        groups: list[VerifyGroup] = []
         for item, (first, last) in zip(sampled, ranges):
             state = item.state
             num_output = len(state.token_ids) - state.prompt_len
-            prompt = state.token_ids[: state.prompt_len] if with_ids else ()
-            output = state.token_ids[state.prompt_len :] if with_ids else ()
             for j in range(last - first):  # verify rows see the drafts before them as output
-                params.append(state.params)
-                prompts.append(prompt)
-                outputs.append(output + item.drafts[:j] if with_ids else range(num_output + j))
+                rows.append(Row(state.sampling, num_output + j, item.drafts[:j]))
             if item.k:
                 groups.append(
                     VerifyGroup(
@@ -343,12 +351,9 @@ class ModelRunner:
                         num_output,
                     )
                 )
-        batch = SamplingBatch.build(
-            params, prompts, outputs, self.model_cfg.vocab_size, self.device
-        )
+        batch = batch_for(rows, self.model_cfg.vocab_size, self.device)
         if not groups:
-            out = self.sampler(logits, batch)
-            tokens = [[t] for t in out.token_ids.tolist()]
+            tokens = [[t] for t in self.sampler(logits, batch).token_ids.tolist()]
         else:
             verified = iter(verify(logits, batch, groups, self.sampler.generator))
             plain = (
@@ -358,24 +363,21 @@ class ModelRunner:
                 next(verified) if item.k else [plain[first]]
                 for item, (first, _) in zip(sampled, ranges)
             ]
-        if batch.no_logprobs:
-            return [(t, None) for t in tokens]
-        return [
-            (t, _token_logprobs(logits, first, t, item.state.params.logprobs))
-            for item, t, (first, _) in zip(sampled, tokens, ranges)
-        ]
+        return list(zip(tokens, self._logprobs(sampled, ranges, tokens, logits)))
 
-
-def _token_logprobs(
-    logits: torch.Tensor, first: int, tokens: list[int], top_n: int | None
-) -> list[TokenLogprobs] | None:
-    """Raw-logit logprobs (vLLM V1 default) of each output token at its own row."""
-    if top_n is None:
-        return None
-    rows = torch.log_softmax(logits[first : first + len(tokens)].float(), dim=-1)
-    chosen = rows.gather(-1, torch.tensor(tokens, device=rows.device)[:, None]).squeeze(-1)
-    top_lp, top_ids = rows.topk(top_n, dim=-1) if top_n else (rows[:, :0], rows[:, :0].long())
-    return [
-        TokenLogprobs(logprob=c, top_ids=i, top_logprobs=lp)
-        for c, i, lp in zip(chosen.tolist(), top_ids.tolist(), top_lp.tolist())
-    ]
+    def _logprobs(self, sampled, ranges, tokens, logits) -> list[list[TokenLogprobs] | None]:
+        """Per request, its tokens' logprobs if it asked: one pass over the rows that asked."""
+        asked = [i for i, item in enumerate(sampled) if item.state.params.logprobs is not None]
+        out: list[list[TokenLogprobs] | None] = [None] * len(sampled)
+        if not asked:
+            return out
+        rows, ids, top_n = [], [], []
+        for i in asked:
+            first = ranges[i][0]
+            rows.extend(range(first, first + len(tokens[i])))
+            ids.extend(tokens[i])
+            top_n.extend([sampled[i].state.params.logprobs] * len(tokens[i]))
+        flat = iter(token_logprobs(logits, rows, ids, top_n))
+        for i in asked:
+            out[i] = [next(flat) for _ in tokens[i]]
+        return out

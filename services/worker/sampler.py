@@ -1,9 +1,13 @@
-"""Batched, vectorised token sampler (vLLM semantics).
+"""Batched, vectorised token sampler in vLLM V1's order.
 
-One call handles a whole step: penalties -> greedy argmax or temperature -> top-k -> top-p ->
-min-p -> exponential-race sampling, plus logprobs taken from the RAW logits (vLLM V1 default).
-There is no per-token Python work; the only Python loop is over *seeded* requests, each of which
-draws its noise from its own generator so its tokens do not depend on the rest of the batch.
+One call handles a whole step, in vLLM V1's order (vllm/v1/sample/sampler.py): logit_bias, then
+penalties (repetition, frequency, presence), then greedy argmax or temperature -> min-p ->
+top-k -> top-p -> exponential-race sampling. Logprobs are of the RAW logits (vLLM V1's default)
+and are computed by `token_logprobs`, once, for the rows that asked, after the tokens are known.
+Penalty and bias stages touch only the rows that use them; their per-request state (output
+token counts) lives on the device (services/worker/sampling_state.py). There is no per-token
+Python work; the only Python loop is over *seeded* requests, each of which draws its noise
+from its own (seed, output position) stream, so its tokens do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.messages import TokenLogprobs
 from common.sampling_params import SamplingParams
 
 _SEED_MIX = 1_000_003  # seed * _SEED_MIX + position: distinct streams per (seed, output position)
@@ -22,9 +27,21 @@ _MASK63 = (1 << 63) - 1  # torch.Generator.manual_seed takes a non-negative 64-b
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor | None  # [B] float32 logprob of the chosen token; None if no row asked
-    top_ids: torch.Tensor | None  # [B, K] int64, K = max requested top-n (callers slice per row)
-    top_logprobs: torch.Tensor | None  # [B, K] float32, sorted descending
+
+
+@dataclass
+class Penalties:
+    """The rows of a batch that use penalties, with their state gathered for this step."""
+
+    rows: torch.Tensor  # [P] int64 batch rows
+    presence: torch.Tensor  # [P] float32
+    frequency: torch.Tensor  # [P] float32
+    repetition: torch.Tensor  # [P] float32
+    output_counts: torch.Tensor  # [P, V] float32: each token's count among the row's outputs
+    prompt_seen: torch.Tensor | None  # [P, V] bool: in the prompt; None: no repetition penalty
+
+
+Bias = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # logit_bias flat: rows, token ids, values
 
 
 @dataclass
@@ -41,36 +58,28 @@ class SamplingBatch:
     top_k: torch.Tensor | None  # [B] int64 in [1, V]; V = off
     top_p: torch.Tensor | None  # [B] float32; 2.0 = off (avoids float cumsum reaching exactly 1)
     min_p: torch.Tensor | None  # [B] float32; 0 = off
-    presence: torch.Tensor | None  # [B] float32
-    frequency: torch.Tensor | None  # [B] float32
-    repetition: torch.Tensor | None  # [B] float32
-    prompt_ids: torch.Tensor | None  # [B, Lp] int64 padded with V; only if repetition is used
-    output_ids: torch.Tensor | None  # [B, Lo] int64 padded with V; only if penalties are used
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # logit_bias: rows, ids, values
-    seeded: list[tuple[int, int]]  # (row, generator seed mixed from (seed, output position))
-    max_num_logprobs: int | None  # None: no row asked for logprobs
+    penalties: Penalties | None
+    bias: Bias | None
+    seeded: list[tuple[int, int, int]]  # (row, seed, output position) of seeded random rows
     all_greedy: bool
     all_random: bool
-    no_penalties: bool
-    no_top_k: bool
-    no_top_p: bool
-    no_min_p: bool
 
     @property
-    def no_logprobs(self) -> bool:
-        return self.max_num_logprobs is None
+    def no_penalties(self) -> bool:
+        return self.penalties is None
 
     @classmethod
-    def build(
+    def make(
         cls,
         params: list[SamplingParams],
-        prompt_ids: list[Sequence[int]],
-        output_ids: list[Sequence[int]],
+        output_positions: Sequence[int],
         vocab_size: int,
         device: torch.device | str,
+        penalties: Penalties | None = None,
+        bias: Bias | None = None,
     ) -> SamplingBatch:
-        """`output_ids[i]` are the tokens request i generated before this step; its length is the
-        output position that seeds the request's noise (so a preempted request replays exactly)."""
+        """`output_positions[i]`: tokens row i's request generated before this row's token; it
+        seeds the request's noise (so a preempted or speculating request replays exactly)."""
         V = vocab_size
         greedy = [p.greedy for p in params]
         # Filters only matter on random rows: a greedy row's top_k=1 must not trigger the sort.
@@ -82,10 +91,6 @@ class SamplingBatch:
         no_top_k = all(p.top_k <= 0 or p.top_k >= V for p in rand)
         no_top_p = all(p.top_p >= 1.0 for p in rand)
         no_min_p = all(p.min_p <= 0.0 for p in rand)
-        no_penalties = not any(p.uses_penalties for p in params)
-        use_repetition = any(p.repetition_penalty != 1.0 for p in params)
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-
         return cls(
             vocab_size=V,
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
@@ -101,90 +106,127 @@ class SamplingBatch:
             ),
             top_p=None if no_top_p else f32([p.top_p if p.top_p < 1.0 else 2.0 for p in params]),
             min_p=None if no_min_p else f32([p.min_p for p in params]),
-            presence=None if no_penalties else f32([p.presence_penalty for p in params]),
-            frequency=None if no_penalties else f32([p.frequency_penalty for p in params]),
-            repetition=None if no_penalties else f32([p.repetition_penalty for p in params]),
-            prompt_ids=_pad(prompt_ids, V, device) if use_repetition else None,
-            output_ids=None if no_penalties else _pad(output_ids, V, device),
-            bias=_bias(params, device),
+            penalties=penalties,
+            bias=bias,
             seeded=[
-                (i, (p.seed * _SEED_MIX + len(out)) & _MASK63)
-                for i, (p, out) in enumerate(zip(params, output_ids, strict=True))
+                (i, p.seed, pos)
+                for i, (p, pos) in enumerate(zip(params, output_positions, strict=True))
                 if p.seed is not None and not p.greedy
             ],
-            max_num_logprobs=min(max(asked), V) if asked else None,
             all_greedy=all(greedy),
             all_random=not any(greedy),
-            no_penalties=no_penalties,
-            no_top_k=no_top_k,
-            no_top_p=no_top_p,
-            no_min_p=no_min_p,
+        )
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        prompt_ids: list[Sequence[int]],
+        output_ids: list[Sequence[int]],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """From token lists (tests, the drafter, memory profiling); the model runner keeps the
+        per-request state on the device instead and calls `make`."""
+        rows = [i for i, p in enumerate(params) if p.uses_penalties]
+        penalties = None
+        if rows:
+            V = vocab_size
+            penalties = penalties_for(
+                [params[i] for i in rows],
+                rows,
+                torch.stack([count_tokens(output_ids[i], V, device) for i in rows]),
+                torch.stack([count_tokens(prompt_ids[i], V, device) > 0 for i in rows]),
+                device,
+            )
+        biased = [(i, *bias_tensors(p, device)) for i, p in enumerate(params) if p.logit_bias]
+        return cls.make(
+            params,
+            [len(out) for out in output_ids],
+            vocab_size,
+            device,
+            penalties,
+            gather_bias(biased, device),
         )
 
 
-def _bias(
-    params: list[SamplingParams], device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Every row's logit_bias as flat (rows, token ids, values), or None when no row has one."""
-    entries = [
-        (row, token, value)
-        for row, p in enumerate(params)
-        for token, value in (p.logit_bias or {}).items()
-    ]
-    if not entries:
-        return None
-    rows, ids, values = zip(*entries)
+def penalties_for(
+    params: list[SamplingParams],
+    rows: list[int],
+    output_counts: torch.Tensor,
+    prompt_seen: torch.Tensor | None,
+    device: torch.device | str,
+) -> Penalties:
+    """Penalties for `rows` (whose params these are); prompt_seen is dropped when no row
+    uses the repetition penalty (the only one that reads the prompt)."""
+    repetition = [p.repetition_penalty for p in params]
+    return Penalties(
+        rows=torch.tensor(rows, dtype=torch.int64, device=device),
+        presence=torch.tensor([p.presence_penalty for p in params], device=device),
+        frequency=torch.tensor([p.frequency_penalty for p in params], device=device),
+        repetition=torch.tensor(repetition, device=device),
+        output_counts=output_counts,
+        prompt_seen=prompt_seen if any(r != 1.0 for r in repetition) else None,
+    )
+
+
+def count_tokens(ids: Sequence[int], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """[V] float32 occurrence counts of `ids`."""
+    counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+    if len(ids):
+        index = torch.tensor(list(ids), dtype=torch.int64, device=device)
+        counts.index_add_(0, index, torch.ones(len(index), device=device))
+    return counts
+
+
+def bias_tensors(
+    params: SamplingParams, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's logit_bias as (token ids, values); built once per request."""
+    assert params.logit_bias
+    ids, values = zip(*params.logit_bias.items())
     return (
-        torch.tensor(rows, dtype=torch.int64, device=device),
         torch.tensor(ids, dtype=torch.int64, device=device),
         torch.tensor(values, dtype=torch.float32, device=device),
     )
 
 
-def _pad(seqs: list[Sequence[int]], pad: int, device: torch.device | str) -> torch.Tensor:
-    """[B, max_len] int64, padded with `pad` (= V, an extra count column that is dropped)."""
-    width = max((len(s) for s in seqs), default=0)
-    rows = [list(s) + [pad] * (width - len(s)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.int64).reshape(len(seqs), width).to(device)
-
-
-def _counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] occurrence counts of each token id in the padded [B, L] `ids`."""
-    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids))
-    return counts[:, :vocab_size]
+def gather_bias(
+    biased: list[tuple[int, torch.Tensor, torch.Tensor]], device: torch.device | str
+) -> Bias | None:
+    """(row, ids, values) per biased row -> flat (rows, ids, values); None when no row is."""
+    if not biased:
+        return None
+    rows = torch.cat([torch.full((len(ids),), row, dtype=torch.int64) for row, ids, _ in biased])
+    return (
+        rows.to(device),
+        torch.cat([ids for _, ids, _ in biased]),
+        torch.cat([values for _, _, values in biased]),
+    )
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Out-of-place vLLM penalties, then logit_bias, on float32 [B, V] logits.
+    """Out-of-place logit_bias, then penalties (vLLM V1's order), on float32 [B, V] logits.
 
-    Repetition (tokens in prompt OR output): positive logits / p, others * p. Then frequency
-    (f * output count) and presence (p * [output count > 0]) are subtracted, and each row's
-    logit_bias values added to their tokens (OpenAI semantics: -100 bans, +100 forces).
+    Each row's logit_bias values are added to their tokens (OpenAI semantics: -100 bans, +100
+    forces). Then repetition (tokens in prompt OR output): positive logits / p, others * p;
+    then frequency (f * output count) and presence (p * [output count > 0]) are subtracted.
+    Rows without penalties are not touched.
     """
-    if not batch.no_penalties:
-        logits = _penalise(logits, batch)
     if batch.bias is not None:
         rows, ids, values = batch.bias
         logits = logits.index_put((rows, ids), values, accumulate=True)
+    pen = batch.penalties
+    if pen is not None:
+        sub = logits[pen.rows]
+        counts = pen.output_counts
+        if pen.prompt_seen is not None:
+            seen = (counts > 0) | pen.prompt_seen
+            rep = pen.repetition[:, None].expand_as(sub)
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - pen.frequency[:, None] * counts - pen.presence[:, None] * (counts > 0)
+        logits = logits.index_copy(0, pen.rows, sub)
     return logits
-
-
-def _penalise(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    assert batch.output_ids is not None and batch.presence is not None
-    assert batch.frequency is not None and batch.repetition is not None
-    V = batch.vocab_size
-    out_counts = _counts(batch.output_ids, V)
-    if batch.prompt_ids is not None:
-        seen = (out_counts > 0) | (_counts(batch.prompt_ids, V) > 0)
-        rep = batch.repetition[:, None].expand_as(logits)
-        penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalised, logits)
-    return (
-        logits
-        - batch.frequency[:, None] * out_counts
-        - batch.presence[:, None] * (out_counts > 0).to(logits.dtype)
-    )
 
 
 class Sampler:
@@ -195,43 +237,53 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        raw = logits.float()
-        logits = apply_penalties(raw, batch)
+        logits = apply_penalties(logits.float(), batch)
         greedy_ids = None if batch.all_random else logits.argmax(dim=-1)
         if batch.all_greedy:
             assert greedy_ids is not None
-            token_ids = greedy_ids
-        else:
-            token_ids = self._sample(logits, batch)
-            if greedy_ids is not None:
-                token_ids = torch.where(batch.greedy, greedy_ids, token_ids)
-        return _with_logprobs(raw, token_ids, batch)
+            return SamplerOutput(greedy_ids)
+        token_ids = race(race_probs(logits, batch), self._noise(logits, batch))
+        if greedy_ids is not None:
+            token_ids = torch.where(batch.greedy, greedy_ids, token_ids)
+        return SamplerOutput(token_ids)
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        probs = torch.softmax(logits / batch.temperature[:, None], dim=-1)
-        probs = _filter(probs, batch)
-        # Exponential race: argmax(p / q), q ~ Exp(1) picks i with probability p_i / sum(p), with
-        # no normalisation and no host sync (unlike torch.multinomial).
-        return probs.div_(self._noise(probs, batch)).argmax(dim=-1)
-
-    def _noise(self, probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        q = torch.empty_like(probs)
+    def _noise(self, like: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        q = torch.empty_like(like)
         if len(batch.seeded) < q.shape[0]:
             q.exponential_(generator=self.generator)
-        for row, seed in batch.seeded:  # own stream: independent of batch makeup and position
-            gen = torch.Generator(device=probs.device)
-            gen.manual_seed(seed)
-            q[row].exponential_(generator=gen)
+        for row, seed, position in batch.seeded:  # own stream: independent of the batch
+            q[row] = seeded_noise(seed, position, like.shape[-1], like.device)
         # Some backends can return exactly 0; p / 0 would give inf (or nan for filtered p = 0).
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
 
-def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Zero out tokens removed by top-k, then top-p (over the top-k renormalised mass), then min-p.
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Exponential race: argmax(p / q), q ~ Exp(1) picks i with probability p_i / sum(p), with
+    no normalisation and no host sync (unlike torch.multinomial)."""
+    return (probs / noise).argmax(dim=-1)
 
-    Leaves probs unnormalised: the exponential race does not need it.
-    """
-    if not (batch.no_top_k and batch.no_top_p):
+
+def seeded_noise(seed: int, position: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The Exp(1) noise of a seeded request's output token `position`: a function of (seed,
+    position) only, so the token is the same in a plain decode, a verify at any k, any batch."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * _SEED_MIX + position) & _MASK63)
+    q = torch.empty(vocab_size, device=device).exponential_(generator=gen)
+    return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def race_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """softmax(logits / temperature), then min-p, top-k and top-p; unnormalised (the race does
+    not need it). `logits` are float32 and already penalised."""
+    return _filter(torch.softmax(logits / batch.temperature[:, None], dim=-1), batch)
+
+
+def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Zero out tokens removed by min-p, then top-k, then top-p over the mass that survives."""
+    if batch.min_p is not None:
+        threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    if not (batch.top_k is None and batch.top_p is None):
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = torch.zeros_like(sorted_p, dtype=torch.bool)
         if batch.top_k is not None:
@@ -244,30 +296,30 @@ def _filter(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             # reaching top_p; the top token (nothing above it) always stays.
             drop |= (cum - sorted_p) >= batch.top_p[:, None] * cum[:, -1:]
         probs = probs.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), 0.0)
-    if batch.min_p is not None:
-        # Relative to the max prob, which top-k/top-p never remove: renormalisation cannot matter.
-        threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
 
 
-def _with_logprobs(
-    raw: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch
-) -> SamplerOutput:
-    if batch.max_num_logprobs is None:
-        return SamplerOutput(token_ids, None, None, None)
-    logprobs = torch.log_softmax(raw, dim=-1)  # raw logits: before penalties and temperature
-    chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
-    top_logprobs, top_ids = logprobs.topk(batch.max_num_logprobs, dim=-1)
-    return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
-
-
 def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The distribution random rows sample from, normalised: softmax(logits / temperature), then
-    top-k, top-p and min-p. `logits` are float32 and already penalised. Speculative decoding
-    verifies drafts against exactly this distribution."""
-    probs = _filter(torch.softmax(logits / batch.temperature[:, None], dim=-1), batch)
+    """The distribution random rows sample from, normalised (`race_probs` / its sum).
+    Speculative decoding verifies drafts against exactly this distribution."""
+    probs = race_probs(logits, batch)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def token_logprobs(
+    logits: torch.Tensor, rows: list[int], tokens: list[int], top_n: list[int]
+) -> list[TokenLogprobs]:
+    """Raw-logit logprobs (vLLM V1 default) of `tokens[i]` at logits row `rows[i]`, with its
+    top `top_n[i]` alternatives: one pass over just these rows, one host transfer."""
+    device = logits.device
+    lp = torch.log_softmax(logits[torch.tensor(rows, device=device)].float(), dim=-1)
+    chosen = lp.gather(-1, torch.tensor(tokens, device=device)[:, None]).squeeze(-1)
+    k = max(top_n)
+    top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    return [
+        TokenLogprobs(logprob=c, top_ids=i[:n], top_logprobs=v[:n])
+        for c, i, v, n in zip(chosen.tolist(), top_ids.tolist(), top_lp.tolist(), top_n)
+    ]
 
 
 def seeded_generator(seed: int, device: torch.device) -> torch.Generator:

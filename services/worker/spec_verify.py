@@ -7,6 +7,14 @@ first rejection a token is drawn from normalise(max(p_j - q_j, 0)); if every dra
 bonus token is drawn from p_{k}. So output tokens are distributed exactly as the target's p,
 where p is the target's distribution after penalties, temperature, top-k, top-p and min-p, and q
 is the proposer's (one-hot on d for n-gram proposals).
+
+Seeded requests verify differently, so that their output never depends on k, on whether a
+position was drafted at all, or on the batch: the target's token at each output position is
+drawn by the same exponential race, with the same (seed, position) noise, as a plain decode
+would draw it, and a draft is accepted iff it equals that token. Each token is still distributed
+as p. For one-hot (n-gram) proposals the acceptance probability, p(d), is that of rejection
+sampling; the draft model draws its seeded proposals with the same noise, which makes
+agreement likely when q is close to p (docs/speculation.md).
 """
 
 from __future__ import annotations
@@ -16,12 +24,11 @@ import dataclasses
 import torch
 
 from services.worker.sampler import (
-    _MASK63,
-    _SEED_MIX,
     SamplingBatch,
     apply_penalties,
-    filtered_probs,
-    seeded_generator,
+    race,
+    race_probs,
+    seeded_noise,
 )
 
 
@@ -47,27 +54,43 @@ def verify(
     the accepted drafts plus one token from the target (1 to k + 1 tokens)."""
     logits = apply_penalties(logits.float(), batch)
     argmax = logits.argmax(dim=-1).tolist()
-    probs = None if batch.all_greedy else filtered_probs(logits, batch)
+    probs = None if batch.all_greedy else race_probs(logits, batch)
     out: list[list[int]] = []
     for g in groups:
         k = len(g.drafts)
         if g.greedy:
-            accepted = 0
-            while accepted < k and g.drafts[accepted] == argmax[g.start + accepted]:
-                accepted += 1
-            out.append(g.drafts[:accepted] + [argmax[g.start + accepted]])
+            out.append(_accept_equal(g.drafts, argmax[g.start : g.start + k + 1]))
             continue
         assert probs is not None
-        out.append(_rejection_sample(probs[g.start : g.start + k + 1], g, generator))
+        p = probs[g.start : g.start + k + 1]
+        if g.seed is not None:
+            out.append(_accept_equal(g.drafts, _seeded_tokens(p, g)))
+        else:
+            out.append(_rejection_sample(p / p.sum(dim=-1, keepdim=True), g, generator))
     return out
+
+
+def _accept_equal(drafts: list[int], target: list[int]) -> list[int]:
+    """The drafts up to the first that differs from the target's token there, then that token."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == target[accepted]:
+        accepted += 1
+    return drafts[:accepted] + [target[accepted]]
+
+
+def _seeded_tokens(p: torch.Tensor, g: VerifyGroup) -> list[int]:
+    """The token a plain decode would sample at each of the k + 1 output positions."""
+    V = p.shape[-1]
+    noise = torch.stack(
+        [seeded_noise(g.seed, g.output_pos + j, V, p.device) for j in range(len(p))]
+    )
+    return race(p, noise).tolist()
 
 
 def _rejection_sample(
     p: torch.Tensor, g: VerifyGroup, generator: torch.Generator | None
 ) -> list[int]:
     k = len(g.drafts)
-    if g.seed is not None:
-        generator = seeded_generator((g.seed * _SEED_MIX + g.output_pos) & _MASK63, p.device)
     drafts = torch.tensor(g.drafts, device=p.device)
     rows = torch.arange(k, device=p.device)
     p_d = p[rows, drafts]

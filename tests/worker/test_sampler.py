@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
-from services.worker.sampler import Sampler, SamplingBatch, apply_penalties
+from services.worker.sampler import (
+    Sampler,
+    SamplingBatch,
+    apply_penalties,
+    filtered_probs,
+    token_logprobs,
+)
 
 V = 8
 N = 20_000  # samples per distribution test, drawn as one batch of identical rows
@@ -175,31 +181,18 @@ def test_greedy_uses_penalised_logits():
     assert Sampler()(logits, build([p], outputs=[[1]], vocab=4)).token_ids.item() == 2
 
 
-def test_logprobs_from_raw_logits():
+def test_logprobs_from_raw_logits_for_the_rows_asked():
     gen = torch.Generator().manual_seed(3)
     vocab = 32
-    logits = torch.randn(3, vocab, generator=gen).to(torch.bfloat16)
-    params = [
-        SamplingParams(temperature=0.5, presence_penalty=1.0, logprobs=2),
-        SamplingParams(),
-        SamplingParams(temperature=0.0, logprobs=5),
-    ]
-    out = Sampler()(logits, build(params, outputs=[[0, 1], [], [2]], vocab=vocab))
+    logits = torch.randn(4, vocab, generator=gen).to(torch.bfloat16)
+    rows, tokens, top_n = [0, 2, 3], [7, 1, 30], [2, 5, 0]
+    got = token_logprobs(logits, rows, tokens, top_n)
     raw = torch.log_softmax(logits.float(), -1)
-    assert out.logprobs is not None and out.top_ids is not None and out.top_logprobs is not None
-    assert out.logprobs.dtype == torch.float32 and out.token_ids.dtype == torch.int64
-    torch.testing.assert_close(out.logprobs, raw.gather(1, out.token_ids[:, None]).squeeze(1))
-    assert out.top_ids.shape == (3, 5) and out.top_logprobs.shape == (3, 5)  # K = max asked
-    assert (out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all()
-    torch.testing.assert_close(out.top_logprobs, raw.gather(1, out.top_ids))
-    torch.testing.assert_close(out.top_logprobs, raw.topk(5, -1).values)
-
-
-def test_no_logprobs_when_none_asked():
-    out = Sampler()(torch.randn(2, V), build([SamplingParams(), SamplingParams(seed=1)]))
-    assert out.logprobs is None and out.top_ids is None and out.top_logprobs is None
-    out = Sampler()(torch.randn(2, V), build([SamplingParams(logprobs=0), SamplingParams()]))
-    assert out.top_ids is not None and out.top_ids.shape == (2, 0)
+    assert [len(lp.top_ids) for lp in got] == top_n
+    for lp, row, token, n in zip(got, rows, tokens, top_n):
+        assert lp.logprob == pytest.approx(raw[row, token].item())
+        assert lp.top_ids == (raw[row].topk(n).indices.tolist() if n else [])
+        assert lp.top_logprobs == pytest.approx(raw[row].topk(n).values.tolist())
 
 
 def test_logit_bias_forces_and_bans_tokens_and_leaves_logprobs_raw():
@@ -210,11 +203,12 @@ def test_logit_bias_forces_and_bans_tokens_and_leaves_logprobs_raw():
     plain = SamplingParams(temperature=0.0)
     out = Sampler()(logits, build([forced, banned, plain]))
     assert out.token_ids[0] == 5
+    (lp,) = token_logprobs(logits, [0], [5], [1])
     assert out.token_ids[1] != banned_top
     assert out.token_ids[1] == int(logits[1].topk(2).indices[1])  # the runner-up
     assert out.token_ids[2] == int(logits[2].argmax())  # rows without a bias are untouched
     raw = torch.log_softmax(logits[0], dim=-1)[5]  # logprobs stay those of the raw logits
-    torch.testing.assert_close(out.logprobs[0], raw)
+    assert lp.logprob == pytest.approx(raw.item())
 
 
 def test_logit_bias_reshapes_the_sampled_distribution():
@@ -226,3 +220,77 @@ def test_logit_bias_reshapes_the_sampled_distribution():
     got = empirical(params)
     assert got[0] == 0.0
     assert (got - expected / expected.sum()).abs().max() < TOL
+
+
+def reference_probs(
+    logits: list[float], p: SamplingParams, prompt: list[int], output: list[int]
+) -> list[float]:
+    """One row in plain Python, in vLLM V1's order: logit_bias, repetition, frequency and
+    presence penalties, temperature, softmax, min-p, top-k, then top-p over what is left."""
+    x = list(logits)
+    for t, b in (p.logit_bias or {}).items():
+        x[t] += b
+    for t in range(len(x)):
+        if t in prompt or t in output:
+            r = p.repetition_penalty
+            x[t] = x[t] / r if x[t] > 0 else x[t] * r
+        x[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty * (t in output)
+    e = [math.exp(v / p.temperature - max(x) / p.temperature) for v in x]
+    probs = [v / sum(e) for v in e]
+    keep = set(range(len(x)))
+    if p.min_p > 0:
+        keep = {t for t in keep if probs[t] >= p.min_p * max(probs)}
+    ranked = sorted(keep, key=lambda t: -probs[t])
+    if 0 < p.top_k < len(x):
+        ranked = ranked[: p.top_k]
+    if p.top_p < 1.0:
+        total, above, kept = sum(probs[t] for t in ranked), 0.0, []
+        for t in ranked:  # smallest set whose renormalised mass reaches top_p
+            if above >= p.top_p * total:
+                break
+            kept.append(t)
+            above += probs[t]
+        ranked = kept
+    mass = sum(probs[t] for t in ranked)
+    return [probs[t] / mass if t in ranked else 0.0 for t in range(len(x))]
+
+
+ORDER_CASES = [
+    # logit_bias before the repetition penalty: (l + b) / r, not l / r + b.
+    SamplingParams(repetition_penalty=2.0, logit_bias={1: 3.0, 4: -1.0}),
+    SamplingParams(repetition_penalty=0.5, frequency_penalty=0.3, logit_bias={0: 2.0}),
+    # min-p before top-p: top-p's mass is what min-p left.
+    SamplingParams(min_p=0.3, top_p=0.8),
+    SamplingParams(temperature=0.7, min_p=0.2, top_k=4, top_p=0.6),
+    SamplingParams(temperature=1.5, top_k=3, top_p=0.9, presence_penalty=0.5),
+    SamplingParams(
+        temperature=0.9, min_p=0.1, top_p=0.7, repetition_penalty=1.3, logit_bias={2: 1.5}
+    ),
+]
+
+
+def test_order_matches_vllm_reference_loop():
+    vocab = 12
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(len(ORDER_CASES), vocab, generator=gen) * 2
+    prompts = [[1, 2, 3], [0, 0, 5], [], [4], [1, 6, 7], [2, 8]]
+    outputs = [[1, 1, 9], [0], [], [3, 3], [6, 6, 6], [2, 10]]
+    batch = build(ORDER_CASES, outputs=outputs, prompts=prompts, vocab=vocab)
+    got = filtered_probs(apply_penalties(logits, batch), batch)
+    for row, p in enumerate(ORDER_CASES):
+        want = reference_probs(logits[row].tolist(), p, prompts[row], outputs[row])
+        torch.testing.assert_close(got[row], torch.tensor(want), atol=1e-5, rtol=1e-4)
+
+
+def test_order_matters_in_these_cases():
+    """Guards the cases above: in the other order (penalties then bias; min-p last) the
+    distributions differ, so the reference test tells the orders apart."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0]])
+    p = SamplingParams(repetition_penalty=2.0, logit_bias={1: 3.0})
+    batch = build([p], outputs=[[1]], vocab=4)
+    got = apply_penalties(logits, batch)[0, 1].item()
+    assert got == pytest.approx((1.0 + 3.0) / 2.0)  # not 1.0 / 2.0 + 3.0
+    # min_p=0.3 drops p < .105 (tokens 4..7), leaving mass .85; top_p=0.7 of that is .595, and
+    # token 2 has .60 above it: only 0 and 1 stay. Top-p first would keep 2 (.60 < .70).
+    q = filtered_probs(PROBS.log()[None], build([SamplingParams(min_p=0.3, top_p=0.7)]))[0]
+    assert (q > 0).tolist() == [True, True, False, False, False, False, False, False]
