@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -56,11 +57,31 @@ def default_run_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"stoker-{os.getuid()}")
 
 
+def private_dir(path: str | Path) -> Path:
+    """Create path 0700, or check an existing one: a real directory (not a symlink), owned by
+    this user and closed to others. In a shared /tmp another user could otherwise pre-create
+    the run directory and read or hijack the sockets."""
+    p = Path(path)
+    p.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(p)
+    if not stat.S_ISDIR(st.st_mode):
+        raise PermissionError(f"run directory {p} is not a directory")
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"run directory {p} is owned by uid {st.st_uid}, not by us")
+    if st.st_mode & 0o077:
+        raise PermissionError(
+            f"run directory {p} is open to other users (mode {st.st_mode & 0o777:o}); "
+            "it must be 0700"
+        )
+    return p
+
+
 def bind_address(address: str) -> str:
-    """tcp://name:port -> tcp://*:port for the binding side; ipc paths need their directory."""
+    """tcp://name:port -> tcp://*:port for the binding side; ipc paths need a private
+    directory."""
     if address.startswith("tcp://"):
         _, port = address[len("tcp://") :].rsplit(":", 1)
         return f"tcp://*:{port}"
     if address.startswith("ipc://"):
-        Path(address[len("ipc://") :]).parent.mkdir(parents=True, exist_ok=True)
+        private_dir(Path(address[len("ipc://") :]).parent)
     return address

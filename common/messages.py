@@ -181,9 +181,10 @@ class TextBatch(msgspec.Struct, array_like=True, gc=False, tag="text"):
 
 
 class TokenizerHeartbeat(msgspec.Struct, array_like=True, tag="tok_heartbeat"):
-    tokenizer_id: str
+    tokenizer_id: str  # fresh per process: a restart is a new incarnation, never a reused id
     pid: int
     requests_served: int
+    slot: str = ""  # what survives a restart (--id, or the host): a new id here replaces the old
 
 
 class SpecStats(msgspec.Struct, array_like=True, gc=False):
@@ -219,7 +220,25 @@ class WorkerReady(msgspec.Struct, array_like=True, tag="worker_ready"):
     block_size: int
     max_model_len: int
     vocab_size: int
+    incarnation: str = ""  # the SchedulerHello answered; "" when sent unasked at start-up
+
+
+class SchedulerHello(msgspec.Struct, array_like=True, tag="hello"):
+    """scheduler -> worker on the plan socket, at start and after losing the worker: answer with
+    WorkerReady and forget every request. Idempotent, so either side can restart."""
+
+    incarnation: str
+
+
+class EngineFailure(msgspec.Struct, array_like=True, tag="engine_failure"):
+    """scheduler -> api: these requests are lost (req_ids None: all of them, the worker is
+    gone or stalled). The api ends them with a 503 or an SSE error event."""
+
+    message: str
+    req_ids: list[str] | None = None
 
 
 ApiInbound = TextBatch | TokenizerHeartbeat | SchedulerStats
+ApiFromScheduler = SchedulerStats | EngineFailure
 SchedulerInbound = GenerateRequest | Abort
+WorkerInbound = StepPlan | SchedulerHello

@@ -1,9 +1,13 @@
 """`stoker serve`: start api, N tokenizers, scheduler and worker as processes, and supervise them.
 
-Policy when a child dies: stoker does not restart it. A dead worker or scheduler loses every
-request's KV state, and a half-restarted pipeline would silently drop streams, so the launcher
-says which process died (and its exit code), stops the rest and exits non-zero. Run it under a
-supervisor (compose `restart: unless-stopped`, systemd) for restarts.
+Policy when a child dies (docs/reliability.md):
+- a tokenizer is stateless beyond its own requests: it is restarted at once (as a new
+  incarnation), only its own in-flight requests fail, and the others keep serving;
+- the worker or scheduler holds every request's KV state: the launcher tells the api (SIGUSR1),
+  which fails every request in flight with an error and turns /health 503 at once, then stops the
+  rest and exits 1 within seconds, so a supervisor (systemd, compose) restarts the set;
+- the api: stop the rest and exit 1.
+On SIGTERM the api drains first (--shutdown-timeout), then the engine stops; exit 0.
 """
 
 from __future__ import annotations
@@ -19,16 +23,24 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from common.addresses import Addresses
+from common.addresses import Addresses, private_dir
+from services.api.__main__ import add_safety_args
 from services.engine_args import add_engine_args, engine_args_to_argv
 
 HEALTH_TIMEOUT_S = 300.0
+ENGINE = ("worker", "scheduler")
+FAIL_GRACE_S = 1.0  # after telling the api the engine died: time to send the errors out
+RESTART_BACKOFF_S = 1.0  # a tokenizer that dies again at once waits this long (doubling, <=30)
 
 
 @dataclass
 class Child:
     name: str
+    cmd: list[str]
     proc: subprocess.Popen
+    restarts: int = 0
+    backoff_s: float = 0.0
+    started: float = 0.0
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -47,7 +59,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         metavar="0..19",
         help="niceness added to the api and tokenizer processes (0: same as the engine)",
     )
-    parser.add_argument("--run-dir", default=None, help="where ipc sockets live (default: temp)")
+    parser.add_argument(
+        "--run-dir", default=None, help="where ipc sockets live (default: a private temp dir)"
+    )
+    add_safety_args(parser)
     add_engine_args(parser)
     return parser
 
@@ -55,7 +70,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     py = [sys.executable, "-m"]
     engine = engine_args_to_argv(args)
-    scheduler = py + ["services.scheduler", *engine]
+    scheduler = py + ["services.scheduler", *engine, "--step-timeout-s", str(args.step_timeout_s)]
     if args.no_overlap:
         scheduler.append("--no-overlap")
     api = py + [
@@ -65,7 +80,15 @@ def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         "--port", str(args.port),
         "--num-tokenizers", str(args.tokenizers),
         "--max-request-bytes", str(args.max_request_bytes),
+        "--max-n", str(args.max_n),
+        "--max-queued-requests", str(args.max_queued_requests),
+        "--shutdown-timeout", str(args.shutdown_timeout),
+        "--step-timeout-s", str(args.step_timeout_s),
     ]  # fmt: skip
+    if args.request_timeout_s is not None:
+        api += ["--request-timeout-s", str(args.request_timeout_s)]
+    if args.protect_metrics:
+        api.append("--protect-metrics")
     if args.served_model_name:
         api += ["--served-model-name", args.served_model_name]
     if args.max_model_len:
@@ -88,9 +111,14 @@ def _healthy(url: str) -> bool:
 
 
 def serve(args: argparse.Namespace) -> int:
-    run_dir = args.run_dir or tempfile.mkdtemp(prefix="stoker-")
+    if args.run_dir:
+        run_dir = str(private_dir(args.run_dir))
+    else:
+        run_dir = tempfile.mkdtemp(prefix="stoker-")  # 0700, ours
     env = dict(os.environ, STOKER_RUN_DIR=run_dir, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.update(Addresses.in_run_dir(run_dir).to_env())
+    if args.api_key:  # by environment, not argv: the command line is world-readable in /proc
+        env["STOKER_API_KEY"] = args.api_key
     children: list[Child] = []
     stopping = False
 
@@ -104,25 +132,21 @@ def serve(args: argparse.Namespace) -> int:
     exit_code = 0
     try:
         for name, cmd in _commands(args):
-            # Own process group per child: a terminal Ctrl-C reaches only the launcher, which then
-            # stops the children in order, so none is left behind.
-            # The api and tokenizers yield the CPU to the worker and scheduler, the step's
-            # critical path: on a box with fewer cores than busy processes, a front-end process
-            # preempting a worker thread stalls the whole step (docs/benchmarks.md, 32 streams).
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-            if args.frontend_nice and (name == "api" or name.startswith("tokenizer")):
-                base = os.getpriority(os.PRIO_PROCESS, 0)
-                os.setpriority(os.PRIO_PROCESS, proc.pid, min(base + args.frontend_nice, 19))
-            children.append(Child(name, proc))
+            children.append(Child(name, cmd, _spawn(name, cmd, env, args.frontend_nice)))
         health = f"http://{args.host}:{args.port}/health"
         announced = False
         while not stopping:
             dead = [c for c in children if c.proc.poll() is not None]
-            if dead:
-                for c in dead:
-                    print(f"stoker: {c.name} exited with code {c.proc.returncode}", file=sys.stderr)
+            fatal = [c for c in dead if not c.name.startswith("tokenizer")]
+            for c in dead:
+                print(f"stoker: {c.name} exited with code {c.proc.returncode}", file=sys.stderr)
+            if fatal:
+                if any(c.name in ENGINE for c in fatal):
+                    _engine_lost(children)
                 exit_code = 1
                 break
+            for c in dead:  # tokenizers: a new incarnation in the same slot
+                _restart(c, env, args.frontend_nice)
             if not announced:
                 if _healthy(health):
                     announced = True
@@ -138,22 +162,65 @@ def serve(args: argparse.Namespace) -> int:
                     break
             time.sleep(0.2)
     finally:
-        _stop_all(children)
+        _stop_all(children, drain_s=args.shutdown_timeout if exit_code == 0 else 0.0)
         shutil.rmtree(run_dir, ignore_errors=True)
     return exit_code
 
 
-def _stop_all(children: list[Child], grace_s: float = 10.0) -> None:
-    for c in reversed(children):  # api first, so no new work arrives while the rest stop
-        if c.proc.poll() is None:
-            c.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for c in children:
-        try:
-            c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(c.proc.pid, signal.SIGKILL)
-            c.proc.wait()
+def _spawn(name: str, cmd: list[str], env: dict[str, str], nice: int) -> subprocess.Popen:
+    # Own process group per child: a terminal Ctrl-C reaches only the launcher, which then
+    # stops the children in order, so none is left behind.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    # The api and tokenizers yield the CPU to the worker and scheduler, the step's critical
+    # path: on a box with fewer cores than busy processes, a front-end process preempting a
+    # worker thread stalls the whole step (docs/benchmarks.md, 32 streams).
+    if nice and (name == "api" or name.startswith("tokenizer")):
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, proc.pid, min(base + nice, 19))
+    return proc
+
+
+def _restart(child: Child, env: dict[str, str], nice: int) -> None:
+    """Start a dead tokenizer again; one that keeps dying at once backs off (1, 2, 4... 30 s)
+    instead of spinning."""
+    if time.monotonic() - child.started > 30.0:
+        child.backoff_s = 0.0  # it had been running fine: restart at once
+    if child.backoff_s:
+        time.sleep(min(child.backoff_s, 30.0))
+    child.restarts += 1
+    child.backoff_s = RESTART_BACKOFF_S if not child.backoff_s else child.backoff_s * 2
+    child.proc = _spawn(child.name, child.cmd, env, nice)
+    child.started = time.monotonic()
+    print(f"stoker: restarted {child.name} (restart {child.restarts})", file=sys.stderr)
+
+
+def _engine_lost(children: list[Child]) -> None:
+    """The worker or scheduler died: every request in flight is lost. The api fails them with
+    an error (503 / SSE error event) and reports unhealthy before anything is stopped."""
+    api = next((c for c in children if c.name == "api" and c.proc.poll() is None), None)
+    if api is None:
+        return
+    api.proc.send_signal(signal.SIGUSR1)
+    time.sleep(FAIL_GRACE_S)
+
+
+def _stop_all(children: list[Child], drain_s: float = 0.0, grace_s: float = 10.0) -> None:
+    """The api first, with time to drain (it answers 503 meanwhile and ends what is left with an
+    error), then everything else; a process that will not stop is killed."""
+    api = [c for c in children if c.name == "api"]
+    rest = [c for c in reversed(children) if c.name != "api"]
+    for group, wait_s in ((api, drain_s + grace_s), (rest, grace_s)):
+        for c in group:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+                c.proc.send_signal(signal.SIGCONT)  # a frozen child must run to stop
+        deadline = time.monotonic() + wait_s
+        for c in group:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+                c.proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     # Accepted for symmetry with the other services; the tokenizers enforce the limit.
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--log-level", default=os.environ.get("STOKER_LOG_LEVEL", "INFO"))
+    add_safety_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
 
@@ -31,13 +32,27 @@ def main(argv: list[str] | None = None) -> None:
     from common.model_registry import resolve_model, served_model_name
     from services.api.app import ApiConfig, build_app
     from services.api.engine_client import EngineClient
+    from services.api.protocol import Limits
+    from services.api.server import DrainingServer
     from services.api.tokens import TokenStrings
 
     name = args.served_model_name or served_model_name(args.model)
-    config = ApiConfig(name, args.max_request_bytes)
-    client = EngineClient(Addresses.from_env(), args.num_tokenizers)
+    config = ApiConfig(
+        name,
+        args.max_request_bytes,
+        limits=Limits(max_n=args.max_n),
+        api_key=args.api_key or None,
+        protect_metrics=args.protect_metrics,
+        request_timeout_s=args.request_timeout_s,
+    )
+    client = EngineClient(
+        Addresses.from_env(),
+        args.num_tokenizers,
+        max_queued_requests=args.max_queued_requests,
+        engine_lost_s=args.step_timeout_s,
+    )
     app = build_app(client, config, TokenStrings(str(resolve_model(args.model))))
-    uvicorn.run(
+    uv_config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
@@ -45,6 +60,43 @@ def main(argv: list[str] | None = None) -> None:
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=3,
+    )
+    DrainingServer(uv_config, app.state.api, args.shutdown_timeout).run()
+
+
+def add_safety_args(parser: argparse.ArgumentParser) -> None:
+    """Limits and access flags; `stoker serve` takes the same ones and passes them on."""
+    g = parser.add_argument_group("limits and access (docs/reliability.md)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("STOKER_API_KEY"),
+        help="require `Authorization: Bearer KEY` (env STOKER_API_KEY; /health stays open)",
+    )
+    g.add_argument("--protect-metrics", action="store_true", help="/metrics needs the key too")
+    g.add_argument("--max-n", type=int, default=128, help="largest n (choices) per request")
+    g.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="sub-requests waiting for their first token; past it new requests get 503",
+    )
+    g.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=None,
+        help="end a request that has not finished in this many seconds (default: no deadline)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests may take to finish",
+    )
+    g.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=60.0,
+        help="an engine step (or the scheduler's stats) silent this long means the engine failed",
     )
 
 

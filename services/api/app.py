@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -29,7 +30,9 @@ from starlette.types import Receive, Scope, Send
 from common.messages import TextDelta
 from services.api import protocol
 from services.api.engine_client import EngineClient
-from services.api.protocol import ApiError
+from services.api.guard import ApiKeyMiddleware
+from services.api.openapi import openapi_document
+from services.api.protocol import DEFAULT_LIMITS, ApiError, Limits
 from services.api.responses import Accumulator, Formatter
 from services.api.tokens import TokenStrings
 
@@ -40,6 +43,10 @@ log = logging.getLogger("stoker.api")
 class ApiConfig:
     served_model_name: str
     max_request_bytes: int = 32 * 1024 * 1024
+    limits: Limits = DEFAULT_LIMITS
+    api_key: str | None = None  # None: no authentication
+    protect_metrics: bool = False  # /metrics needs the key too
+    request_timeout_s: float | None = None  # None: no deadline
 
 
 class _Json(Response):
@@ -125,6 +132,26 @@ async def _read_body(request: Request, limit: int) -> bytes:
 class Api:
     def __init__(self, client: EngineClient, config: ApiConfig, strings: TokenStrings) -> None:
         self.client, self.config, self.strings = client, config, strings
+        self.draining = False  # SIGTERM: new requests get 503, those in flight may finish
+        self.streams = 0  # SSE responses still being written
+        self._openapi = msgspec.json.encode(
+            openapi_document(config.limits, secured=config.api_key is not None)
+        )
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting, let what is in flight finish for up to timeout_s, then end the rest
+        with an error (a 503, or an SSE error event and [DONE])."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.client.num_inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        failed = self.client.fail(None, "the server is shutting down", 503)
+        if failed:
+            log.warning("shutdown: ended %d requests still in flight", len(failed))
+        for _ in range(40):  # give their handlers a moment to write the error out
+            if not self.client.num_inflight and not self.streams:
+                break
+            await asyncio.sleep(0.05)
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, "completion")
@@ -133,14 +160,20 @@ class Api:
         return await self._generate(request, "chat")
 
     async def _generate(self, request: Request, kind: Literal["completion", "chat"]) -> Response:
+        if self.draining:
+            raise ApiError(
+                "the server is shutting down", status=503, type="server_error", code="shutting_down"
+            )
         try:
             body = await _read_body(request, self.config.max_request_bytes)
         except ClientDisconnect:
             return Response(status_code=499)
+        limits = self.config.limits
         if kind == "completion":
-            gen = protocol.completion_generation(protocol.decode(body, protocol.CompletionRequest))
+            req = protocol.decode(body, protocol.CompletionRequest)
+            gen = protocol.completion_generation(req, limits)
         else:
-            gen = protocol.chat_generation(protocol.decode(body, protocol.ChatRequest))
+            gen = protocol.chat_generation(protocol.decode(body, protocol.ChatRequest), limits)
         name = self.config.served_model_name
         if gen.model is not None and gen.model != name:
             raise ApiError(
@@ -155,6 +188,7 @@ class Api:
         acc = Accumulator(req_id, gen.n)
         fmt = Formatter(kind, req_id, name, self.strings, gen.params.logprobs is not None)
         queue = await self.client.submit(subs)
+        timer = self._deadline(ids)
         streaming = False
         try:
             first = await _race_disconnect(queue.get(), request)
@@ -166,21 +200,41 @@ class Api:
                 raise ApiError(first.error, param=_error_param(first.error, kind))
             if gen.stream:
                 streaming = True  # from here the SSE response owns the release
+
+                def on_close() -> None:
+                    self.streams -= 1
+                    if timer is not None:
+                        timer.cancel()
+                    self.client.release(ids)
+
                 events = self._events(first, queue, acc, fmt, gen)
-                return SSEResponse(events, on_close=lambda: self.client.release(ids))
+                self.streams += 1
+                return SSEResponse(events, on_close=on_close)
             done = await _race_disconnect(self._collect(first, queue, acc), request)
             if done is _DISCONNECTED:
                 return Response(status_code=499)
             if acc.error is not None or acc.aborted:
+                status = acc.error_status if acc.error is not None else 500
                 raise ApiError(
                     acc.error or "the request was aborted by the server",
-                    status=500,
-                    type="internal_server_error",
+                    status=status,
+                    type="server_error" if status in (503, 504) else "internal_server_error",
                 )
             return _Json(fmt.response(acc))
         finally:
             if not streaming:
+                if timer is not None:
+                    timer.cancel()
                 self.client.release(ids)
+
+    def _deadline(self, ids: list[str]) -> asyncio.TimerHandle | None:
+        """--request-timeout-s: past it the request ends with a 504 (or an SSE error event) and
+        is aborted upstream, which frees its KV blocks."""
+        timeout = self.config.request_timeout_s
+        if timeout is None:
+            return None
+        message = f"the request did not finish within --request-timeout-s {timeout:g}"
+        return asyncio.get_running_loop().call_later(timeout, self.client.fail, ids, message, 504)
 
     @staticmethod
     async def _collect(first: TextDelta, queue: asyncio.Queue, acc: Accumulator) -> bool:
@@ -217,7 +271,8 @@ class Api:
                 pending.append(queue.get_nowait())
         if acc.error is not None or acc.aborted:
             error = ApiError(acc.error or "the request was aborted by the server", status=500)
-            yield _sse({"error": {**error.body()["error"], "type": "internal_server_error"}})
+            kind = "server_error" if acc.error_status in (503, 504) else "internal_server_error"
+            yield _sse({"error": {**error.body()["error"], "type": kind}})
         if gen.include_usage:
             yield _sse(fmt.usage_chunk(acc))
         yield b"data: [DONE]\n\n"
@@ -244,6 +299,9 @@ class Api:
     async def debug_state(self, request: Request) -> Response:
         return _Json(self.client.state())
 
+    async def openapi(self, request: Request) -> Response:
+        return Response(self._openapi, media_type="application/json")
+
 
 def _error_param(message: str, kind: str) -> str:
     """Best guess at which parameter a tokenizer/scheduler rejection is about."""
@@ -255,7 +313,12 @@ def _error_param(message: str, kind: str) -> str:
 
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return _Json(exc.body(), status_code=exc.status)
+    # A 503 is temporary (overload, shutdown, an engine restart): say when to come back.
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+    return _Json(exc.body(), status_code=exc.status, headers=headers)
+
+
+RETRY_AFTER_S = 1
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -278,9 +341,15 @@ def build_app(client: EngineClient, config: ApiConfig, strings: TokenStrings) ->
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await client.start()
+        # `stoker serve` sends SIGUSR1 when the worker or scheduler exits: fail what is in
+        # flight at once, before the launcher stops the set.
+        loop = asyncio.get_running_loop()
+        message = "a worker or scheduler process exited"
+        loop.add_signal_handler(signal.SIGUSR1, client.engine_lost, message)
         try:
             yield
         finally:
+            loop.remove_signal_handler(signal.SIGUSR1)
             await client.close()
 
     routes = [
@@ -290,6 +359,13 @@ def build_app(client: EngineClient, config: ApiConfig, strings: TokenStrings) ->
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/debug/state", api.debug_state, methods=["GET"]),
+        Route("/openapi.json", api.openapi, methods=["GET"]),
     ]
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _server_error}
-    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app.state.api = api
+    if config.api_key:
+        app.add_middleware(
+            ApiKeyMiddleware, api_key=config.api_key, protect_metrics=config.protect_metrics
+        )
+    return app

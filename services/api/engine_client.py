@@ -22,6 +22,7 @@ from common.addresses import API_ROUTING_ID, Addresses, bind_address
 from common.ipc import api_from_scheduler_decoder, api_inbound_decoder, encoder
 from common.messages import (
     Abort,
+    EngineFailure,
     SchedulerStats,
     TextBatch,
     TextDelta,
@@ -51,6 +52,7 @@ class _Track:
     last: float = 0.0
     tokenizer: str = ""  # the tokenizer it was sent to, and that process's pid then
     tokenizer_pid: int = 0
+    waiting: bool = True  # no token yet: counts against --max-queued-requests
 
 
 @dataclasses.dataclass
@@ -58,12 +60,25 @@ class _Tokenizer:
     pid: int
     requests_served: int
     last_seen: float
+    slot: str = ""  # what a restart keeps (--id or the host); the id is per incarnation
 
 
 class EngineClient:
-    def __init__(self, addresses: Addresses, num_tokenizers: int) -> None:
+    def __init__(
+        self,
+        addresses: Addresses,
+        num_tokenizers: int,
+        max_queued_requests: int = 1024,
+        engine_lost_s: float = 30.0,
+    ) -> None:
         self.addresses = addresses
         self.num_tokenizers = num_tokenizers
+        self.max_queued_requests = max_queued_requests
+        # Scheduler stats silent this long: the scheduler is dead or wedged, so every request in
+        # flight fails (they could only hang) until it is heard from again.
+        self.engine_lost_s = engine_lost_s
+        self.engine_error: str | None = None  # set while the engine is known to be down
+        self.num_waiting = 0  # sub-requests with no token yet, in O(1)
         self.metrics = Metrics(self.snapshot)
         self.stats: SchedulerStats | None = None
         self.stats_time = 0.0
@@ -91,6 +106,7 @@ class EngineClient:
             asyncio.create_task(self._inbound_loop()),
             asyncio.create_task(self._stats_loop()),
             asyncio.create_task(self._lost_tokenizer_loop()),
+            asyncio.create_task(self._engine_watch_loop()),
         ]
 
     async def close(self) -> None:
@@ -101,13 +117,31 @@ class EngineClient:
 
     # -- requests -------------------------------------------------------------------------------
 
+    def admission_error(self, num_requests: int) -> ApiError | None:
+        """Why a call with this many sub-requests cannot be taken now, or None. Overload and a
+        down engine are 503s with Retry-After: the client should come back, not give up."""
+        if self.engine_error is not None:
+            message = f"the engine is unavailable: {self.engine_error}"
+        elif self.num_waiting + num_requests > self.max_queued_requests:
+            message = (
+                f"the server is overloaded: {self.num_waiting} requests are already waiting "
+                f"(--max-queued-requests {self.max_queued_requests}); retry later"
+            )
+        else:
+            return None
+        return ApiError(message, status=503, type="server_error", code="overloaded")
+
     async def submit(self, requests: list[TokenizeRequest]) -> asyncio.Queue[TextDelta]:
         """Send sub-requests to the tokenizers; all their deltas arrive on the returned queue."""
+        error = self.admission_error(len(requests))
+        if error is not None:
+            raise error
         queue: asyncio.Queue[TextDelta] = asyncio.Queue()
         now = time.monotonic()
         tracks = [_Track(queue, now) for _ in requests]
         for r, track in zip(requests, tracks):  # registered first: a delta may beat the send
             self._tracks[r.req_id] = track
+        self.num_waiting += len(tracks)
         try:
             for r, track in zip(requests, tracks):
                 await self._send_to_tokenizer(encoder.encode(r), track)
@@ -133,14 +167,47 @@ class EngineClient:
             return
         raise ApiError("no tokenizer process is available", status=503, type="server_error")
 
+    def _untrack(self, req_id: str) -> _Track | None:
+        track = self._tracks.pop(req_id, None)
+        if track is not None and track.waiting:
+            self.num_waiting -= 1
+        return track
+
     def release(self, req_ids: list[str]) -> None:
         """The handler is done with these ids: abort the ones still running. Never blocks, so
         it is safe in `finally` of a cancelled handler."""
-        live = [i for i in req_ids if self._tracks.pop(i, None) is not None]
+        live = [i for i in req_ids if self._untrack(i) is not None]
         if live:
             now = time.monotonic()
             self._aborted.update(dict.fromkeys(live, now))
             self._send_abort(live)
+
+    def fail(self, req_ids: list[str] | None, message: str, status: int = 503) -> list[str]:
+        """End these requests (None: every one in flight) with an error delta and abort them
+        upstream. Their handlers answer the status (or an SSE error event, then [DONE])."""
+        ids = list(self._tracks) if req_ids is None else [i for i in req_ids if i in self._tracks]
+        for req_id in ids:
+            self._tracks[req_id].queue.put_nowait(
+                TextDelta(
+                    req_id, "", b"", finish_reason="abort", error=message, error_status=status
+                )
+            )
+        if ids:
+            self.metrics.request_success.labels("abort").inc(len(ids))
+            # As a client that went away: the scheduler may hold them, or get them later from a
+            # tokenizer that was only stalled; release aborts now and tombstones late deltas.
+            self.release(ids)
+        return ids
+
+    def engine_lost(self, message: str) -> None:
+        """The worker or scheduler is gone: fail everything in flight, refuse new work and
+        report unhealthy until the scheduler reports a ready worker again."""
+        if self.engine_error is None:
+            log.error("engine lost: %s", message)
+        self.engine_error = message
+        failed = self.fail(None, f"the engine failed: {message}")
+        if failed:
+            log.error("failed %d requests in flight", len(failed))
 
     def _send_abort(self, req_ids: list[str]) -> None:
         # With NOBLOCK the async socket sends now or queues behind earlier sends; a failure
@@ -152,18 +219,28 @@ class EngineClient:
 
     async def _inbound_loop(self) -> None:
         while True:
-            msg = api_inbound_decoder.decode(await self._inbound.recv())
+            raw = await self._inbound.recv()
             try:
+                msg = api_inbound_decoder.decode(raw)
                 if isinstance(msg, TextBatch):
                     self._dispatch(msg)
                 elif isinstance(msg, TokenizerHeartbeat):
-                    self.tokenizers[msg.tokenizer_id] = _Tokenizer(
-                        msg.pid, msg.requests_served, time.monotonic()
-                    )
+                    self._on_heartbeat(msg)
                 elif isinstance(msg, SchedulerStats):
                     self._on_stats(msg)
             except Exception:  # one bad message must not stop all responses
-                log.exception("failed to handle %s", type(msg).__name__)
+                log.exception("dropped a message on api_inbound (%d bytes)", len(raw))
+
+    def _on_heartbeat(self, msg: TokenizerHeartbeat) -> None:
+        now = time.monotonic()
+        if msg.tokenizer_id not in self.tokenizers and msg.slot:
+            # A new incarnation in a known slot (a restarted process or container): its
+            # predecessor's requests died with it, so fail them now rather than after LOST_S.
+            for t in self.tokenizers.values():
+                if t.slot == msg.slot:
+                    t.last_seen = -float("inf")
+            self.fail_lost_tokenizers(now)
+        self.tokenizers[msg.tokenizer_id] = _Tokenizer(msg.pid, msg.requests_served, now, msg.slot)
 
     async def _lost_tokenizer_loop(self) -> None:
         while True:
@@ -175,35 +252,52 @@ class EngineClient:
         request (a new pid: the old process's state is gone), and forget the silent ones.
         Returns the failed request ids."""
         lost = {t for t, s in self.tokenizers.items() if now - s.last_seen > LOST_S}
-        failed = []
-        for req_id, track in list(self._tracks.items()):
+        by_tokenizer: dict[str, list[str]] = {}
+        for req_id, track in self._tracks.items():
             current = self.tokenizers.get(track.tokenizer)
             restarted = current is not None and current.pid != track.tokenizer_pid
-            if not (track.tokenizer in lost or restarted):
-                continue
-            failed.append(req_id)
-            message = f"tokenizer {track.tokenizer} stopped responding; the request was lost"
-            track.queue.put_nowait(
-                TextDelta(req_id, "", b"", finish_reason="abort", error=message, error_status=503)
-            )
+            if track.tokenizer in lost or restarted:
+                by_tokenizer.setdefault(track.tokenizer, []).append(req_id)
+        failed = []
+        for name, ids in by_tokenizer.items():
+            message = f"tokenizer {name} stopped responding; the request was lost"
+            failed += self.fail(ids, message)
         for name in lost:
-            log.warning("tokenizer %s silent for %.0f s: forgotten", name, LOST_S)
+            log.warning("tokenizer %s silent or replaced: forgotten", name)
             del self.tokenizers[name]
         if failed:
             log.warning("failed %d requests of lost tokenizers", len(failed))
-            self.metrics.request_success.labels("abort").inc(len(failed))
-            # As a client that went away: the scheduler may hold them, or get them later from a
-            # tokenizer that was only stalled; release aborts now and tombstones late deltas.
-            self.release(failed)
         return failed
+
+    async def _engine_watch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if self.stats is not None and self.engine_error is None:
+                silent = time.monotonic() - self.stats_time
+                if silent > self.engine_lost_s:
+                    self.engine_lost(f"the scheduler has been silent for {silent:.0f} s")
 
     async def _stats_loop(self) -> None:
         while True:
             frames = await self._scheduler.recv_multipart()
-            self._on_stats(api_from_scheduler_decoder.decode(frames[-1]))
+            try:
+                msg = api_from_scheduler_decoder.decode(frames[-1])
+            except msgspec.DecodeError:
+                log.exception("dropped a malformed message from the scheduler")
+                continue
+            if isinstance(msg, EngineFailure):
+                if msg.req_ids is None:
+                    self.engine_lost(msg.message)
+                else:
+                    self.fail(msg.req_ids, msg.message)
+            else:
+                self._on_stats(msg)
 
     def _on_stats(self, stats: SchedulerStats) -> None:
         self.stats, self.stats_time = stats, time.monotonic()
+        if stats.worker_ready and self.engine_error is not None:
+            log.warning("the engine is back: %d KV blocks", stats.num_total_blocks)
+            self.engine_error = None
         if self._aborted:
             cutoff = self.stats_time - TOMBSTONE_S
             self._aborted = {k: t for k, t in self._aborted.items() if t > cutoff}
@@ -223,9 +317,12 @@ class EngineClient:
                 continue
             track.queue.put_nowait(d)
             if d.error is not None:
-                del self._tracks[d.req_id]
+                self._untrack(d.req_id)
                 continue
             num_tokens = num_ids(d.token_ids)
+            if track.waiting and (num_tokens or d.finish_reason is not None):
+                track.waiting = False
+                self.num_waiting -= 1
             if num_tokens:
                 if track.first is None:
                     track.first = now
@@ -241,14 +338,20 @@ class EngineClient:
             if d.finish_reason is not None:
                 m.e2e.observe(now - track.arrival)
                 m.request_success.labels(d.finish_reason).inc()
-                del self._tracks[d.req_id]
+                self._untrack(d.req_id)
         if late_aborts:
             self._send_abort(late_aborts)
 
     # -- state ----------------------------------------------------------------------------------
 
+    @property
+    def num_inflight(self) -> int:
+        return len(self._tracks)
+
     def health(self) -> tuple[bool, str]:
         now = time.monotonic()
+        if self.engine_error is not None:
+            return False, f"engine down: {self.engine_error}"
         alive = [t for t, s in self.tokenizers.items() if now - s.last_seen < STALE_S]
         if len(alive) < len(self.tokenizers):
             stale = sorted(set(self.tokenizers) - set(alive))
@@ -262,20 +365,27 @@ class EngineClient:
         return True, "ok"
 
     def snapshot(self) -> EngineSnapshot:
-        return EngineSnapshot(
-            self.stats, {k: t.requests_served for k, t in self.tokenizers.items()}
-        )
+        # Labelled by slot: a restarted tokenizer keeps its series (its count starts again).
+        served = {t.slot or k: t.requests_served for k, t in self.tokenizers.items()}
+        return EngineSnapshot(self.stats, served)
 
     def state(self) -> dict:
         now = time.monotonic()
         return {
             "scheduler": msgspec.structs.asdict(self.stats) if self.stats else None,
             "scheduler_age_s": now - self.stats_time if self.stats else None,
-            "tokenizers": {
-                k: {"pid": t.pid, "requests": t.requests_served, "age_s": now - t.last_seen}
+            "tokenizers": {  # by slot; "id" is the current incarnation's
+                t.slot or k: {
+                    "id": k,
+                    "pid": t.pid,
+                    "requests": t.requests_served,
+                    "age_s": now - t.last_seen,
+                }
                 for k, t in self.tokenizers.items()
             },
             "api_inflight": len(self._tracks),
+            "api_waiting": self.num_waiting,
+            "engine_error": self.engine_error,
         }
 
 

@@ -7,8 +7,9 @@ instead of a silently ignored setting. Fields beyond OpenAI's (top_k, min_p, ...
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -47,36 +48,59 @@ class ApiError(Exception):
         }
 
 
+# Wire types: every integer is checked against the type it travels as (msgpack int64, token
+# ids int32) while decoding, so nothing out of range reaches an allocation or an encoder.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Int32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+Float = Annotated[float, msgspec.Meta(ge=-1e9, le=1e9)]  # finite: NaN and inf fail both bounds
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds on what a client may ask for, checked before anything is allocated."""
+
+    max_n: int = 128
+    max_stop: int = 16  # stop strings per request
+    max_stop_chars: int = 1024  # characters per stop string
+    max_stop_token_ids: int = 1024
+    max_logit_bias: int = 1024  # logit_bias entries
+    max_top_logprobs: int = SamplingParams.MAX_LOGPROBS
+
+
+DEFAULT_LIMITS = Limits()
+
+
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
 class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int32 | None = None
+    min_p: Float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> bias
+    logit_bias: dict[str, Float] | None = None  # OpenAI: token id (as a string) -> bias
     user: str | None = None
 
 
 class CompletionRequest(_Common):
     prompt: Any  # str | list[int] | [str] | [list[int]]: msgspec unions allow one array type
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
 
 
@@ -92,10 +116,10 @@ class ChatMessageIn(msgspec.Struct):  # lenient: clients add name, tool_call_id,
 
 class ChatRequest(_Common):
     messages: list[ChatMessageIn]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
 
 
@@ -119,7 +143,7 @@ class Generation:
         for i in range(self.n):
             params = self.params
             if self.params.seed is not None and self.n > 1:
-                params = msgspec.structs.replace(params, seed=self.params.seed + i)
+                params = msgspec.structs.replace(params, seed=_wrap_int64(self.params.seed + i))
             out.append(
                 TokenizeRequest(
                     f"{req_id}-{i}",
@@ -134,6 +158,11 @@ class Generation:
                 )
             )
         return out
+
+
+def _wrap_int64(x: int) -> int:
+    """seed + i stays an int64 (the wire type) for a seed near the top of the range."""
+    return (x + 2**63) % 2**64 - 2**63
 
 
 _PATH_RE = re.compile(r"at `\$\.(\w+)")  # "... - at `$.messages[0]`": the top-level param
@@ -154,16 +183,45 @@ def decode(body: bytes, cls: type[_Common]) -> Any:
         raise ApiError(message, param=param) from None
     except msgspec.DecodeError as e:
         raise ApiError(f"We could not parse the JSON body of your request: {e}") from None
+    except RecursionError:  # `prompt` is Any: deeply nested arrays recurse in the decoder
+        raise ApiError("the JSON body is nested too deeply") from None
 
 
-def _sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    if req.stream_options is not None and not req.stream:
-        raise ApiError("stream_options is only allowed when stream is true", param="stream_options")
+def _check_limits(req: _Common, limits: Limits) -> list[str]:
+    """Bound every size the client chooses; return the stop strings as a list."""
     if req.n < 1:
         raise ApiError(f"n must be at least 1, got {req.n}", param="n")
+    if req.n > limits.max_n:
+        raise ApiError(f"n must be at most {limits.max_n}, got {req.n}", param="n")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > limits.max_stop:
+        raise ApiError(f"at most {limits.max_stop} stop strings are allowed", param="stop")
+    if any(len(s) > limits.max_stop_chars for s in stop):
+        raise ApiError(
+            f"stop strings must be at most {limits.max_stop_chars} characters", param="stop"
+        )
+    if req.stop_token_ids and len(req.stop_token_ids) > limits.max_stop_token_ids:
+        raise ApiError(
+            f"at most {limits.max_stop_token_ids} stop_token_ids are allowed",
+            param="stop_token_ids",
+        )
+    if req.logit_bias and len(req.logit_bias) > limits.max_logit_bias:
+        raise ApiError(
+            f"logit_bias may have at most {limits.max_logit_bias} entries", param="logit_bias"
+        )
+    return stop
+
+
+def _sampling_params(
+    req: _Common, max_tokens: int | None, logprobs: int | None, limits: Limits
+) -> SamplingParams:
+    if req.stream_options is not None and not req.stream:
+        raise ApiError("stream_options is only allowed when stream is true", param="stream_options")
+    stop = _check_limits(req, limits)
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if max_tokens is not None and max_tokens >= 2**31:  # no context is this long
+        raise ApiError(f"max_tokens must be below 2**31, got {max_tokens}", param="max_tokens")
     given = {
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -197,20 +255,26 @@ def _sampling_params(req: _Common, max_tokens: int | None, logprobs: int | None)
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if not bias:
         return None
-    try:
-        return {int(token): float(value) for token, value in bias.items()}
-    except ValueError:
-        raise ApiError("logit_bias keys must be token ids", param="logit_bias") from None
+    out = {}
+    for token, value in bias.items():
+        # int() of a long digit string is quadratic; a token id has at most 10 digits.
+        key = token.strip()
+        if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= 2**31:
+            raise ApiError("logit_bias keys must be token ids", param="logit_bias")
+        if not math.isfinite(value):
+            raise ApiError("logit_bias values must be finite", param="logit_bias")
+        out[int(key)] = float(value)
+    return out
 
 
-def completion_generation(req: CompletionRequest) -> Generation:
+def completion_generation(req: CompletionRequest, limits: Limits = DEFAULT_LIMITS) -> Generation:
     if req.echo:
         raise ApiError("echo is not supported", param="echo")
     prompt, ids = _completion_prompt(req.prompt)
     return Generation(
         kind="completion",
         model=req.model,
-        params=_sampling_params(req, req.max_tokens, req.logprobs),
+        params=_sampling_params(req, req.max_tokens, req.logprobs, limits),
         n=req.n,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
@@ -248,7 +312,7 @@ def _completion_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
     )
 
 
-def chat_generation(req: ChatRequest) -> Generation:
+def chat_generation(req: ChatRequest, limits: Limits = DEFAULT_LIMITS) -> Generation:
     if not req.messages:
         raise ApiError("messages must not be empty", param="messages")
     messages = []
@@ -262,6 +326,11 @@ def chat_generation(req: ChatRequest) -> Generation:
         messages.append(ChatMessage(m.role, content))
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= limits.max_top_logprobs:
+        raise ApiError(
+            f"top_logprobs must be in [0, {limits.max_top_logprobs}], got {req.top_logprobs}",
+            param="top_logprobs",
+        )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     # max_completion_tokens supersedes max_tokens; neither: up to the context length.
     max_tokens = (
@@ -270,7 +339,7 @@ def chat_generation(req: ChatRequest) -> Generation:
     return Generation(
         kind="chat",
         model=req.model,
-        params=_sampling_params(req, max_tokens, logprobs),
+        params=_sampling_params(req, max_tokens, logprobs, limits),
         n=req.n,
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),

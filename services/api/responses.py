@@ -31,11 +31,12 @@ class Accumulator:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.error: str | None = None
+        self.error_status = 500
 
     def add(self, d: TextDelta) -> Choice:
         c = self.choices[self._index[d.req_id]]
         if d.error is not None and self.error is None:
-            self.error = d.error
+            self.error, self.error_status = d.error, d.error_status
         if d.num_prompt_tokens:
             self.prompt_tokens = d.num_prompt_tokens
             self.cached_tokens = d.num_cached_tokens

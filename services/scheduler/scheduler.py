@@ -11,14 +11,16 @@ Policy, in the style of vLLM V1 (no separate prefill and decode phases):
   cache instead of recomputing. No new request is admitted in a step that preempted, and new
   requests are admitted only while a small watermark of blocks stays free: this stops thrashing.
 - Waiting requests are admitted in order while budget, seats and blocks allow, taking their
-  prefix-cache hits first.
+  prefix-cache hits first. Blocks join the prefix cache when the step computing them is
+  planned, so a request whose prompt continues into blocks this very step computes (the n
+  choices of one request) waits one step and then takes them as hits: the prompt is computed
+  once.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
 
 from common.messages import (
     NewRequestData,
@@ -32,6 +34,7 @@ from common.messages import (
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import FinishReason, Request, RequestStatus
 from services.scheduler.speculation import SpecPolicy
+from services.scheduler.waiting import WaitingQueue
 
 
 @dataclasses.dataclass
@@ -66,7 +69,7 @@ class Scheduler:
         self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len, capacity))
         self.blocks = block_manager
         self.spec = spec
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()  # O(1) abort of a waiting request
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # for the next plan: worker drops their state
@@ -111,6 +114,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         budget = self.config.max_num_batched_tokens
+        self.blocks.begin_step()
         new_requests: list[NewRequestData] = []
         running = RunningRequestData()
         preempted = False
@@ -159,6 +163,8 @@ class Scheduler:
             request = self.waiting[0]
             prefix = request.token_ids[:-1]  # always compute at least the last token
             hit = self.blocks.allocate_prefix(request.req_id, prefix)
+            if hit is None:
+                break  # its prompt's next block is being computed in this step: share it next
             request.num_computed_tokens = hit
             num_tokens = min(request.num_tokens - hit, budget)
             new_blocks = None
@@ -253,6 +259,9 @@ class Scheduler:
         request.num_computed_tokens += num_tokens
         if request.num_computed_tokens >= request.num_planned_tokens:  # samples (or verifies)
             request.num_placeholders += 1
+        # Key the full blocks of known tokens this step computes, for requests planned later.
+        computed = min(request.num_computed_tokens, request.num_tokens)
+        self.blocks.cache_blocks(request.req_id, request.token_ids, computed)
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request.req_id)

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import msgspec
@@ -29,8 +30,10 @@ from common.config import EngineConfig
 from common.ipc import encoder, scheduler_inbound_decoder, worker_outbound_decoder
 from common.messages import (
     Abort,
+    EngineFailure,
     GenerateRequest,
     RequestTokens,
+    SchedulerHello,
     SchedulerStats,
     StepPlan,
     StepResult,
@@ -50,6 +53,15 @@ from services.scheduler.speculation import SpecPolicy
 
 log = logging.getLogger("stoker.scheduler")
 STATS_INTERVAL_S = 0.25
+# Token batches queued for one tokenizer before it counts as unable to keep up (one batch per
+# step: thousands of steps behind). Past it the tokenizer's requests fail loudly; ZMQ would
+# otherwise drop batches, finish messages included, without a word.
+TOKENIZER_HWM = 10_000
+EXIT_STALLED = 3  # the worker made no progress for --step-timeout-s
+
+
+class EngineStalled(Exception):
+    """No step result for --step-timeout-s: the worker is hung, frozen or gone."""
 
 
 class _Owner:
@@ -61,14 +73,27 @@ class _Owner:
 
 
 class SchedulerService:
-    def __init__(self, config: EngineConfig, addresses: Addresses, overlap: bool = True) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        addresses: Addresses,
+        overlap: bool = True,
+        step_timeout_s: float = 60.0,
+    ) -> None:
         self.config = config
         self.model_name = Path(config.model).name
         self.model_cfg = ModelConfig.from_folder(config.model)
         self.depth = 2 if overlap else 1  # plans in flight
+        self.step_timeout_s = step_timeout_s
         self.ctx = zmq.asyncio.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
+        # A batch for an unknown or full peer raises instead of vanishing; sends go through a
+        # blocking-free shadow of the socket so the failure surfaces at the call.
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.SNDHWM, TOKENIZER_HWM)
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted api reclaims its id
         self.router.bind(bind_address(addresses.scheduler))
+        self._router_now = zmq.Socket.shadow(self.router.underlying)
         self.plans = self.ctx.socket(zmq.PUSH)
         self.plans.bind(bind_address(addresses.worker_plan))
         self.results = self.ctx.socket(zmq.PULL)
@@ -82,10 +107,34 @@ class SchedulerService:
         self.scheduler: Scheduler | None = None
         self.blocks: BlockManager | None = None
         self.max_model_len = 0
+        self.incarnation = ""  # of our last SchedulerHello
 
     async def run(self) -> None:
-        ready = worker_outbound_decoder.decode(await self.results.recv())
-        assert isinstance(ready, WorkerReady), "the worker must announce itself first"
+        self._start(await self._handshake())
+        log.info(
+            "scheduler ready: %d blocks, max_model_len %d",
+            self.blocks.num_blocks if self.blocks else 0,
+            self.max_model_len,
+        )
+        await asyncio.gather(self._inbound_loop(), self._step_loop(), self._stats_loop())
+
+    async def _handshake(self) -> WorkerReady:
+        """Ask the worker to (re)announce itself and forget old requests; a worker that starts
+        later announces itself unasked. Anything else on the result socket (results for a
+        previous scheduler's plans) is dropped. Idempotent: either side may restart."""
+        self.incarnation = incarnation = uuid.uuid4().hex
+        await self.plans.send(encoder.encode(SchedulerHello(incarnation)))
+        while True:
+            raw = await self.results.recv()
+            try:
+                msg = worker_outbound_decoder.decode(raw)
+            except msgspec.DecodeError:
+                log.warning("dropped a malformed message from the worker")
+                continue
+            if isinstance(msg, WorkerReady) and msg.incarnation in ("", incarnation):
+                return msg
+
+    def _start(self, ready: WorkerReady) -> None:
         self.max_model_len = ready.max_model_len
         self.blocks = BlockManager(
             ready.num_blocks, ready.block_size, self.config.enable_prefix_caching
@@ -99,17 +148,34 @@ class SchedulerService:
             self.blocks,
             SpecPolicy.from_config(self.config),
         )
-        log.info(
-            "scheduler ready: %d blocks, max_model_len %d", ready.num_blocks, ready.max_model_len
-        )
-        await asyncio.gather(self._inbound_loop(), self._step_loop(), self._stats_loop())
+        self.owners = {}
+
+    def _fail_all(self, message: str) -> None:
+        """Every request is lost (the worker stalled or restarted): tell each owning tokenizer
+        (it drops their state) and the api (it answers 503 / an SSE error event)."""
+        replies: dict[bytes, list[RequestTokens]] = collections.defaultdict(list)
+        for req_id, owner in self.owners.items():
+            replies[owner.routing_id].append(
+                RequestTokens(req_id, b"", finish_reason="abort", error=message)
+            )
+        self.owners = {}
+        self._send_batches(replies)
+        self._send_api(EngineFailure(message))
+        log.error("engine failure: %s (%d requests failed)", message, len(replies))
 
     # -- inbound ----------------------------------------------------------------------------------
 
     async def _inbound_loop(self) -> None:
         while True:
-            routing_id, raw = await self.router.recv_multipart()
-            msg = scheduler_inbound_decoder.decode(raw)
+            frames = await self.router.recv_multipart()
+            try:
+                if len(frames) != 2:
+                    raise ValueError(f"{len(frames)} frames, expected 2")
+                routing_id, raw = frames
+                msg = scheduler_inbound_decoder.decode(raw)
+            except (ValueError, msgspec.DecodeError) as e:  # never end the loop over one message
+                log.warning("dropped a malformed inbound message: %s", e)
+                continue
             if isinstance(msg, GenerateRequest):
                 self._add(routing_id, msg)
             elif isinstance(msg, Abort):
@@ -123,11 +189,7 @@ class SchedulerService:
             max_tokens = check_request(
                 prompt, msg.params, self.max_model_len, self.model_cfg.vocab_size
             )
-            needed = -(-(len(prompt) + 1) // self.blocks.block_size)
-            if needed > self.blocks.num_blocks:
-                raise ValueError(
-                    f"the prompt needs {needed} KV blocks; the cache has {self.blocks.num_blocks}"
-                )
+            self.blocks.check_prompt(len(prompt))
             request = Request(
                 msg.req_id,
                 prompt,
@@ -175,9 +237,10 @@ class SchedulerService:
                     if plan.num_requests and len(inflight) < self.depth:
                         continue  # plan the next step before waiting on this one
             if inflight:
-                raw = await self.results.recv()
-                result = worker_outbound_decoder.decode(raw)
-                assert isinstance(result, StepResult)
+                result = await self._next_result(inflight[0].step_id)
+                if result is None:  # the worker restarted: its steps and KV are gone
+                    inflight.clear()
+                    continue
                 t0 = time.perf_counter()
                 plan = inflight.popleft()
                 self._publish(self.scheduler.update(plan, result))
@@ -187,7 +250,58 @@ class SchedulerService:
                 continue
             self.idle_gaps.engine_idle()
             self.wakeup.clear()
-            await self.wakeup.wait()
+            await self._idle()
+
+    async def _idle(self) -> None:
+        """Wait for work; a worker that restarts meanwhile announces itself and is taken on
+        now, not found out by the next request."""
+        wake = asyncio.ensure_future(self.wakeup.wait())
+        incoming = asyncio.ensure_future(self.results.poll())
+        try:
+            await asyncio.wait({wake, incoming}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            wake.cancel()
+            incoming.cancel()
+        if await self.results.poll(0):  # nothing is in flight: no step result is due
+            raw = await self.results.recv()
+            try:
+                msg = worker_outbound_decoder.decode(raw)
+            except msgspec.DecodeError:
+                log.warning("dropped a malformed message from the worker")
+                return
+            if isinstance(msg, WorkerReady) and msg.incarnation != self.incarnation:
+                log.warning("the worker restarted: %d KV blocks", msg.num_blocks)
+                self._fail_all("the worker restarted; the request was lost")
+                self._start(msg)
+                self.stats_due.set()
+
+    async def _next_result(self, step_id: int) -> StepResult | None:
+        """The result of step_id; None when a restarted worker announced itself instead (every
+        request failed, the core rebuilt on its blocks). Malformed or stale messages are dropped.
+        Raises EngineStalled when the worker is silent for the step timeout."""
+        while True:
+            try:
+                raw = await asyncio.wait_for(self.results.recv(), self.step_timeout_s)
+            except asyncio.TimeoutError:
+                raise EngineStalled(
+                    f"the worker made no progress for {self.step_timeout_s:g} s"
+                ) from None
+            try:
+                msg = worker_outbound_decoder.decode(raw)
+            except msgspec.DecodeError:
+                log.warning("dropped a malformed message from the worker")
+                continue
+            if isinstance(msg, WorkerReady) and msg.incarnation == self.incarnation:
+                continue  # its answer to our hello, after it had announced itself unasked
+            if isinstance(msg, WorkerReady):
+                self._fail_all("the worker restarted; the request was lost")
+                self._start(msg)
+                self.stats_due.set()
+                return None
+            if msg.step_id != step_id:
+                log.warning("dropped a result for step %d (waiting for %d)", msg.step_id, step_id)
+                continue
+            return msg
 
     def _record_step(self, result: StepResult, update_s: float) -> None:
         t = self.telemetry
@@ -225,11 +339,38 @@ class SchedulerService:
         self._send_batches(batches)
 
     def _send_batches(self, batches: dict[bytes, list[RequestTokens]]) -> None:
+        lost: list[bytes] = []
         for routing_id, items in batches.items():
-            if items:
-                self.router.send_multipart(
-                    [routing_id, encoder.encode(TokenBatch(items))], copy=False
-                )
+            if not items:
+                continue
+            try:
+                frames = [routing_id, encoder.encode(TokenBatch(items))]
+                self._router_now.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as e:  # gone (EHOSTUNREACH) or too far behind (EAGAIN)
+                log.error("tokenizer %s cannot take its tokens (%s)", routing_id.decode(), e)
+                lost.append(routing_id)
+        for routing_id in lost:
+            self._fail_tokenizer(routing_id)
+
+    def _fail_tokenizer(self, routing_id: bytes) -> None:
+        """A tokenizer that is gone or cannot keep up: abort its requests (freeing their
+        blocks) and have the api fail them, rather than starve them."""
+        assert self.scheduler is not None
+        ids = [r for r, o in self.owners.items() if o.routing_id == routing_id]
+        for req_id in ids:
+            self.scheduler.abort(req_id)
+            del self.owners[req_id]
+        if ids:
+            name = routing_id.decode(errors="replace")
+            self._send_api(EngineFailure(f"tokenizer {name} fell behind or went away", ids))
+            self.stats_due.set()
+
+    def _send_api(self, msg: SchedulerStats | EngineFailure) -> None:
+        try:
+            frames = [API_ROUTING_ID, encoder.encode(msg)]
+            self._router_now.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the api is not connected (yet): stats come again shortly
+            log.debug("could not reach the api: %s", e)
 
     # -- stats ------------------------------------------------------------------------------------
 
@@ -238,7 +379,7 @@ class SchedulerService:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stats_due.wait(), STATS_INTERVAL_S)
             self.stats_due.clear()
-            await self.router.send_multipart([API_ROUTING_ID, encoder.encode(self.stats())])
+            self._send_api(self.stats())
 
     def stats(self) -> SchedulerStats:
         assert self.scheduler is not None and self.blocks is not None
@@ -263,13 +404,30 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="stoker scheduler", description=__doc__)
     add_engine_args(parser)
     parser.add_argument("--no-overlap", action="store_true", help="one step in flight at a time")
+    parser.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=60.0,
+        help="no step result for this long: fail every request and exit 3",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("STOKER_LOG_LEVEL", "INFO"))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     service = SchedulerService(
-        engine_config_from_args(args), Addresses.from_env(), overlap=not args.no_overlap
+        engine_config_from_args(args),
+        Addresses.from_env(),
+        overlap=not args.no_overlap,
+        step_timeout_s=args.step_timeout_s,
     )
-    uvloop.run(service.run())
+    try:
+        uvloop.run(service.run())
+    except EngineStalled as e:
+        # Exit so a supervisor (stoker serve, compose) acts; a restarted scheduler handshakes
+        # with the worker afresh.
+        service._fail_all(str(e))
+        service.ctx.destroy(linger=1000)  # let the failures reach the api and tokenizers
+        log.error("%s: exiting", e)
+        sys.exit(EXIT_STALLED)
 
 
 if __name__ == "__main__":

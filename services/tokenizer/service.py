@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+import uuid
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -65,8 +66,10 @@ class TokenizerService:
         tokenizer_id: str,
         addresses: Addresses,
         max_model_len: int | None = None,
+        slot: str = "",
     ) -> None:
         self.id = tokenizer_id
+        self.slot = slot
         self.addresses = addresses
         model = resolve_model(model)
         self.tokenizer = load_tokenizer(model)
@@ -195,8 +198,9 @@ class TokenizerService:
 
     async def _requests_loop(self, requests: zmq.asyncio.Socket, scheduler, api) -> None:
         while True:
+            frames = await requests.recv_multipart()
             try:
-                req = tokenize_request_decoder.decode(await requests.recv())
+                req = tokenize_request_decoder.decode(frames[-1])
             except msgspec.DecodeError:
                 log.exception("dropping a malformed TokenizeRequest")
                 continue
@@ -223,14 +227,15 @@ class TokenizerService:
     async def _heartbeat_loop(self, api: zmq.asyncio.Socket) -> None:
         pid = os.getpid()
         while True:
-            await api.send(encoder.encode(TokenizerHeartbeat(self.id, pid, self.num_served)))
+            beat = TokenizerHeartbeat(self.id, pid, self.num_served, self.slot)
+            await api.send(encoder.encode(beat))
             await asyncio.sleep(HEARTBEAT_S)
 
 
-def serve(model: str, tokenizer_id: str, max_model_len: int | None = None) -> None:
+def serve(model: str, tokenizer_id: str, max_model_len: int | None = None, slot: str = "") -> None:
 
     async def main() -> None:
-        service = TokenizerService(model, tokenizer_id, Addresses.from_env(), max_model_len)
+        service = TokenizerService(model, tokenizer_id, Addresses.from_env(), max_model_len, slot)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -244,11 +249,14 @@ def serve(model: str, tokenizer_id: str, max_model_len: int | None = None) -> No
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="stoker tokenizer")
     parser.add_argument("--model", required=True, help="model folder (config.json + tokenizer)")
-    parser.add_argument("--id", default=None, help="routing id (default: tok-<host>-<pid>)")
+    parser.add_argument(
+        "--id", default=None, help="slot name (default: tok-<host>); each process adds its own id"
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     args = parser.parse_args(argv)
     level = os.environ.get("STOKER_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
-    # Host and pid: compose replicas each run as pid 1 in their own container.
-    default_id = f"tok-{socket.gethostname()}-{os.getpid()}"
-    serve(args.model, args.id or default_id, args.max_model_len)
+    # The slot survives a restart (compose keeps the hostname); the routing id is fresh per
+    # process, so a restarted tokenizer is a new incarnation (pid 1 in every container).
+    slot = args.id or f"tok-{socket.gethostname()}"
+    serve(args.model, f"{slot}-{uuid.uuid4().hex[:8]}", args.max_model_len, slot)

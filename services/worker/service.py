@@ -14,12 +14,13 @@ import signal
 import sys
 import time
 
+import msgspec
 import zmq
 
 from common.addresses import Addresses
 from common.config import EngineConfig
 from common.ipc import encoder, plan_decoder
-from common.messages import WorkerReady
+from common.messages import SchedulerHello, WorkerReady
 from services.engine_args import add_engine_args, engine_config_from_args
 from services.worker.model_runner import ModelRunner
 
@@ -33,25 +34,29 @@ def run_worker(config: EngineConfig, addresses: Addresses) -> None:
     plans.connect(addresses.worker_plan)
     results = ctx.socket(zmq.PUSH)
     results.connect(addresses.worker_result)
-    results.send(
-        encoder.encode(
-            WorkerReady(
-                num_blocks=runner.num_blocks,
-                block_size=runner.block_size,
-                max_model_len=runner.max_model_len,
-                vocab_size=runner.model_cfg.vocab_size,
-            )
-        )
-    )
+    results.send(encoder.encode(_ready(runner, "")))
     log.info("worker ready: %d KV blocks of %d tokens", runner.num_blocks, runner.block_size)
     idle_since = time.perf_counter()
     try:
         while True:
             raw = plans.recv()
             started = time.perf_counter()
-            plan = plan_decoder.decode(raw)
+            try:
+                plan = plan_decoder.decode(raw)
+            except msgspec.DecodeError:
+                log.exception("dropped a malformed plan")
+                continue
+            if isinstance(plan, SchedulerHello):  # a (re)started scheduler: start afresh
+                _forget_requests(runner)
+                results.send(encoder.encode(_ready(runner, plan.incarnation)))
+                log.info("answered scheduler %s", plan.incarnation[:8])
+                continue
             plan_ipc_s = time.time() - plan.sent_at
-            result = runner.execute(plan)
+            try:
+                result = runner.execute(plan)
+            except Exception:  # e.g. a plan naming a request this worker never saw
+                log.exception("step %d failed; dropped", plan.step_id)
+                continue
             result.idle_s = started - idle_since
             result.plan_ipc_s = plan_ipc_s
             result.sent_at = time.time()
@@ -61,6 +66,24 @@ def run_worker(config: EngineConfig, addresses: Addresses) -> None:
         plans.close(linger=0)
         results.close(linger=0)
         ctx.term()
+
+
+def _ready(runner: ModelRunner, incarnation: str) -> WorkerReady:
+    return WorkerReady(
+        num_blocks=runner.num_blocks,
+        block_size=runner.block_size,
+        max_model_len=runner.max_model_len,
+        vocab_size=runner.model_cfg.vocab_size,
+        incarnation=incarnation,
+    )
+
+
+def _forget_requests(runner: ModelRunner) -> None:
+    """A new scheduler knows none of the old requests, and hands their blocks out afresh."""
+    for req_id in list(runner.requests):
+        del runner.requests[req_id]
+        if runner.drafter is not None:
+            runner.drafter.drop(req_id)
 
 
 def main(argv: list[str] | None = None) -> None:

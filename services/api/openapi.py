@@ -1,0 +1,92 @@
+"""The OpenAPI document at /openapi.json, generated from the same msgspec Structs that decode
+the bodies, so the schema and the checks cannot drift apart (the fuzz tests rely on that)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from services.api.protocol import ChatRequest, CompletionRequest, Limits
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}}
+_PROMPT = {
+    "anyOf": [
+        {"type": "string"},
+        _IDS,
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": _IDS, "minItems": 1, "maxItems": 1},
+    ]
+}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    ref = {"$ref": "#/components/schemas/Error"}
+    return {str(c): {"description": "error", "content": {"application/json": {"schema": ref}}}
+            for c in codes}  # fmt: skip
+
+
+def _generate_op(name: str, summary: str) -> dict[str, Any]:
+    body = {"$ref": f"#/components/schemas/{name}"}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {
+                "200": {
+                    "description": "the completion (JSON), or server-sent events when streaming",
+                    "content": {"application/json": {}, "text/event-stream": {}},
+                },
+                **_errors(400, 401, 404, 413, 503, 504),
+            },
+        }
+    }
+
+
+def _get_op(summary: str, *errors: int) -> dict[str, Any]:
+    return {
+        "get": {"summary": summary, "responses": {"200": {"description": "ok"}, **_errors(*errors)}}
+    }  # noqa: E501
+
+
+def openapi_document(limits: Limits, secured: bool) -> dict[str, Any]:
+    _, components = msgspec.json.schema_components(
+        [CompletionRequest, ChatRequest], ref_template="#/components/schemas/{name}"
+    )
+    components["CompletionRequest"]["properties"]["prompt"] = _PROMPT
+    for name in ("CompletionRequest", "ChatRequest"):  # the server's own bound, not int64's
+        components[name]["properties"]["n"].update(minimum=1, maximum=limits.max_n)
+    components["Error"] = _ERROR
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "stoker", "version": "1", "description": "OpenAI-compatible API"},
+        "paths": {
+            "/v1/completions": _generate_op("CompletionRequest", "text completion"),
+            "/v1/chat/completions": _generate_op("ChatRequest", "chat completion"),
+            "/v1/models": _get_op("the served model", 401),
+            "/health": _get_op("200 when every process is up and the engine makes progress", 503),
+            "/metrics": _get_op("Prometheus metrics", 401),
+            "/debug/state": _get_op("the scheduler's latest numbers", 401),
+        },
+        "components": {"schemas": components},
+    }
+    if secured:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc
