@@ -38,12 +38,7 @@ class EngineCore:
         max_tokens = check_request(
             prompt_token_ids, params, self.max_model_len, self.model_config.vocab_size
         )
-        blocks_needed = -(-(len(prompt_token_ids) + 1) // self.config.block_size)
-        if blocks_needed > self.block_manager.num_blocks:
-            raise ValueError(
-                f"the prompt needs {blocks_needed} KV blocks but the cache has only "
-                f"{self.block_manager.num_blocks}"
-            )
+        self.block_manager.check_prompt(len(prompt_token_ids))
         return max_tokens
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -17,6 +17,13 @@ exactly, and registration ids are never reused, so a hit is exact by induction d
 and the children of an evicted entry simply become unreachable (and age out of the LRU). That
 is rare: freeing tail-first makes parents outlive their children in the LRU; only children
 chained off another seq's identical block (see cache_blocks) can be orphaned early.
+
+Blocks are keyed when the step that computes them is planned, not when its result returns, so
+identical prompts (the n choices of one request, or clients sending the same prompt) share a
+prompt computed once. Steps run in plan order, so a later step may read a block keyed by an
+earlier one; but the step being planned must not read a block that it computes itself. Blocks
+keyed since `begin_step()` are "fresh": a lookup stops at one and says so, so the scheduler
+can let that request wait one step and then take the block as a hit (docs/kv-cache.md).
 """
 
 from __future__ import annotations
@@ -47,8 +54,6 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.prefix_queries = 0  # tokens looked up by allocate_prefix (cumulative)
-        self.prefix_hits = 0  # tokens served from the cache (cumulative)
         self._ref = [0] * num_blocks
         self._key: list[CacheKey | None] = [None] * num_blocks  # cache key of a registered block
         self._reg = [0] * num_blocks  # registration id of a registered block, 0 if none
@@ -57,6 +62,7 @@ class BlockManager:
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, ref 0; oldest first
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pops 0, 1, 2, ...
         self._seqs: dict[Hashable, _Seq] = {}
+        self._fresh: set[int] = set()  # keyed since begin_step(): computed by the step planned
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -75,6 +81,15 @@ class BlockManager:
     def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
         return len(self._match(token_ids)) * self.block_size
 
+    def check_prompt(self, num_prompt_tokens: int) -> None:
+        """ValueError unless a prompt and one generated token fit in the whole pool: a request
+        that never could would wait forever."""
+        needed = -(-(num_prompt_tokens + 1) // self.block_size)
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"the prompt needs {needed} KV blocks; the cache has {self.num_blocks}"
+            )
+
     def can_allocate(self, seq_id: Hashable, num_tokens: int) -> bool:
         seq = self._seqs.get(seq_id)
         have = len(seq.blocks) if seq is not None else 0
@@ -82,21 +97,26 @@ class BlockManager:
 
     # ---- allocation ----------------------------------------------------------------------------
 
-    def allocate_prefix(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+    def begin_step(self) -> None:
+        """A new step is being planned: blocks keyed by earlier plans are safe to read."""
+        self._fresh.clear()
+
+    def allocate_prefix(self, seq_id: Hashable, token_ids: Sequence[int]) -> int | None:
+        """Take the cached blocks matching a prefix of token_ids; returns the tokens hit, or
+        None (taking nothing) when the match runs into a block the step being planned computes:
+        next step the same lookup hits it."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already allocated")
         hits = self._match(token_ids)
+        if len(hits) < len(token_ids) // self.block_size and self._next_is_fresh(token_ids, hits):
+            return None
         for b in hits:
             if self._ref[b] == 0:
                 del self._lru[b]
             self._ref[b] += 1
         parent = self._reg[hits[-1]] if hits else _ROOT
         self._seqs[seq_id] = _Seq(hits, len(hits), parent)
-        num_hit = len(hits) * self.block_size
-        if self.enable_prefix_caching:  # no lookup happens when disabled
-            self.prefix_queries += len(token_ids)
-            self.prefix_hits += num_hit
-        return num_hit
+        return len(hits) * self.block_size
 
     def allocate_slots(self, seq_id: Hashable, num_tokens: int) -> list[int] | None:
         """Grow `seq_id` (created if unknown) to hold num_tokens in total; None if out of blocks."""
@@ -131,7 +151,6 @@ class BlockManager:
         if n_full <= seq.num_hashed:
             return
         if not self.enable_prefix_caching:
-            seq.num_hashed = n_full  # still tracked: fork() shares full computed blocks
             return
         parent = seq.parent
         for i in range(seq.num_hashed, n_full):
@@ -146,21 +165,11 @@ class BlockManager:
                 self._reg[b] = self._next_reg
                 self._next_reg += 1
                 self._cached[key] = b
+                self._fresh.add(b)
             # else: identical content is already cached (maybe b itself); if it is another
             # block, keep that mapping and leave b unkeyed; children chain off the canonical one.
             parent = self._reg[canon]
         seq.num_hashed, seq.parent = n_full, parent
-
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> int:
-        """Child shares the parent's full, computed blocks; returns the tokens shared."""
-        if child_id in self._seqs:
-            raise ValueError(f"sequence {child_id!r} already allocated")
-        par = self._seqs[parent_id]
-        shared = par.blocks[: par.num_hashed]
-        for b in shared:
-            self._ref[b] += 1
-        self._seqs[child_id] = _Seq(shared, len(shared), par.parent)
-        return len(shared) * self.block_size
 
     def free(self, seq_id: Hashable) -> None:
         seq = self._seqs.pop(seq_id, None)
@@ -175,15 +184,6 @@ class BlockManager:
                 else:
                     self._free.append(b)
 
-    def reset_prefix_cache(self) -> bool:
-        if len(self._free) + len(self._lru) != self.num_blocks:
-            return False  # blocks still in use keep their keys
-        for b in self._lru:
-            self._unregister(b)
-            self._free.append(b)
-        self._lru.clear()
-        return True
-
     # ---- internals -----------------------------------------------------------------------------
 
     def _match(self, token_ids: Sequence[int]) -> list[int]:
@@ -194,11 +194,18 @@ class BlockManager:
         parent = _ROOT
         for i in range(len(token_ids) // bs):
             b = cached.get((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
-            if b is None:
+            if b is None or b in self._fresh:
                 break
             hits.append(b)
             parent = self._reg[b]
         return hits
+
+    def _next_is_fresh(self, token_ids: Sequence[int], hits: list[int]) -> bool:
+        """Is the block after `hits` keyed, but fresh (being computed by the step planned)?"""
+        bs, i = self.block_size, len(hits)
+        parent = self._reg[hits[-1]] if hits else _ROOT
+        b = self._cached.get((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
+        return b is not None and b in self._fresh
 
     def _unregister(self, b: int) -> None:
         key = self._key[b]

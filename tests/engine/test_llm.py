@@ -158,3 +158,32 @@ def test_stop_string_in_the_length_step_is_stop(llm):
     out = llm.generate(["Friends, Romans"], params)[0]
     assert out.token_ids == ref.token_ids
     assert out.finish_reason == "stop" and out.text == text[: len(text) - len(stop)]
+
+
+def test_n_choices_compute_the_prompt_once(llm):
+    """The n choices share the prompt's full blocks: the first computes the prompt, the others
+    wait one step and take its blocks as prefix-cache hits, computing only the partial tail.
+    Each choice equals the same request run on its own with its seed (seed + index)."""
+    prompt = list(range(400, 450))  # 50 tokens, used by no other test: 3 full blocks and 2
+    n, max_tokens = 4, 6
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=9)
+    runner, computed = llm.engine.runner, []
+    execute = runner.execute
+
+    def counting(plan):
+        computed.append(
+            sum(r.num_scheduled_tokens for r in plan.new_requests)
+            + sum(plan.running.num_scheduled_tokens)
+        )
+        return execute(plan)
+
+    runner.execute = counting
+    try:
+        out = llm.generate([prompt], params)[0]
+    finally:
+        runner.execute = execute
+    tail = len(prompt) - 48
+    assert sum(computed) == len(prompt) + (n - 1) * tail + n * (max_tokens - 1)
+    for i, choice in enumerate(out.outputs):
+        single = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=9 + i)
+        assert choice.token_ids == llm.generate([prompt], single)[0].token_ids

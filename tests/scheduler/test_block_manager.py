@@ -22,6 +22,7 @@ def run_prompt(bm: BlockManager, sid: str, prompt: list[int]) -> int:
     assert bm.allocate_slots(sid, len(prompt)) is not None
     bm.cache_blocks(sid, prompt, len(prompt))
     bm.check_invariants()
+    bm.begin_step()  # later lookups belong to later steps
     return hit
 
 
@@ -97,24 +98,6 @@ def test_failed_allocate_slots_changes_nothing() -> None:
     bm.check_invariants()
 
 
-def test_fork_shares_full_computed_blocks() -> None:
-    bm = BlockManager(8, BS)
-    prompt = list(range(10))
-    run_prompt(bm, "p", prompt)
-    assert bm.fork("p", "c") == 8
-    assert bm.block_table("c") == bm.block_table("p")[:2]
-    with pytest.raises(ValueError):
-        bm.fork("p", "c")
-    assert bm.allocate_slots("c", 11) == [3]  # the child's own tail
-    bm.cache_blocks("c", prompt + [5], 11)
-    bm.check_invariants()
-    bm.free("p")
-    assert bm.usage() == 3 / 8  # the shared blocks live on in the child
-    bm.free("c")
-    assert bm.num_free_blocks() == 8
-    bm.check_invariants()
-
-
 def test_identical_blocks_computed_concurrently_keep_first_mapping() -> None:
     bm = BlockManager(8, BS)
     prompt = list(range(9))
@@ -125,6 +108,7 @@ def test_identical_blocks_computed_concurrently_keep_first_mapping() -> None:
         bm.cache_blocks(sid, prompt, len(prompt))
         bm.check_invariants()
     a_table = list(bm.block_table("a"))
+    bm.begin_step()
     bm.free("b")  # b's copies are unkeyed: straight back to the free list
     bm.free("a")
     assert bm.allocate_prefix("c", prompt) == 8 and bm.block_table("c") == a_table[:2]
@@ -138,34 +122,38 @@ def test_cache_disabled() -> None:
     bm.free("a")
     assert bm.num_cached_tokens(prompt) == 0
     assert run_prompt(bm, "b", prompt) == 0
-    assert bm.prefix_queries == bm.prefix_hits == 0
-    assert bm.fork("b", "c") == 8  # forks still share full computed blocks
     bm.free("b")
-    bm.free("c")
     assert bm.num_free_blocks() == 8
     bm.check_invariants()
 
 
-def test_counters_are_in_tokens() -> None:
+def test_blocks_keyed_this_step_are_shared_from_the_next() -> None:
+    """A block keyed while a step is planned is computed by that step: another request in the
+    same step must not read it (None: wait), and from the next step it is a plain hit."""
     bm = BlockManager(8, BS)
     prompt = list(range(10))
-    run_prompt(bm, "a", prompt)
-    assert (bm.prefix_queries, bm.prefix_hits) == (9, 0)
-    bm.num_cached_tokens(prompt)  # read-only
-    run_prompt(bm, "b", prompt)
-    assert (bm.prefix_queries, bm.prefix_hits) == (18, 8)
-
-
-def test_reset_prefix_cache() -> None:
-    bm = BlockManager(8, BS)
-    prompt = list(range(8))
-    run_prompt(bm, "a", prompt)
-    assert not bm.reset_prefix_cache()
-    assert bm.num_cached_tokens(prompt) == 8
-    bm.free("a")
-    assert bm.reset_prefix_cache()
-    assert bm.num_cached_tokens(prompt) == 0 and bm.num_free_blocks() == 8
+    bm.begin_step()
+    assert bm.allocate_prefix("a", prompt[:-1]) == 0
+    bm.allocate_slots("a", len(prompt))
+    bm.cache_blocks("a", prompt, len(prompt))  # planned: keyed now
+    assert bm.allocate_prefix("b", prompt[:-1]) is None and not bm.has_seq("b")
+    assert bm.num_cached_tokens(prompt) == 0
+    assert bm.allocate_prefix("c", [7, 7, 7, 7, 7]) == 0  # other prompts are unaffected
+    bm.begin_step()
+    assert bm.allocate_prefix("b", prompt[:-1]) == 8
+    assert bm.block_table("b") == bm.block_table("a")[:2]
     bm.check_invariants()
+    for sid in ("a", "b", "c"):
+        bm.free(sid)
+    assert bm.num_free_blocks() == 8
+    bm.check_invariants()
+
+
+def test_check_prompt() -> None:
+    bm = BlockManager(3, BS)
+    bm.check_prompt(11)  # 12 tokens with the first generated one: 3 blocks
+    with pytest.raises(ValueError, match="the prompt needs 4 KV blocks; the cache has 3"):
+        bm.check_prompt(12)
 
 
 def test_free_unknown_and_double_free_are_harmless() -> None:
@@ -234,6 +222,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         expected = self.bm.num_cached_tokens(prompt[:-1])
         hit = self.bm.allocate_prefix(sid, prompt[:-1])
+        if hit is None:  # the next block was keyed in this step: the scheduler waits a step
+            assert expected < (len(prompt) - 1) // self.bs * self.bs and not self.bm.has_seq(sid)
+            return
         assert hit == expected and hit % self.bs == 0 and hit < len(prompt)
         for i, b in enumerate(self.bm.block_table(sid)):
             assert self.content[b] == tuple(prompt[: (i + 1) * self.bs]), "false hit"
@@ -254,17 +245,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         else:
             del self.tokens[sid][-len(new) :]
 
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def fork(self, data: st.DataObject) -> None:
-        parent = data.draw(st.sampled_from(sorted(self.tokens)))
-        child = f"s{self.next_id}"
-        self.next_id += 1
-        shared = self.bm.fork(parent, child)
-        assert shared == self.computed[parent] // self.bs * self.bs  # all full computed blocks
-        assert self.bm.block_table(child) == self.bm.block_table(parent)[: shared // self.bs]
-        self.tokens[child], self.computed[child] = list(self.tokens[parent]), shared
-
     @rule(data=st.data())
     def free(self, data: st.DataObject) -> None:
         sid = data.draw(st.sampled_from(sorted(self.tokens) + ["unknown"]))
@@ -273,8 +253,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.computed.pop(sid, None)
 
     @rule()
-    def reset(self) -> None:
-        assert self.bm.reset_prefix_cache() == (self.bm.usage() == 0.0)
+    def next_step(self) -> None:
+        self.bm.begin_step()
 
     @invariant()
     def consistent(self) -> None:
@@ -288,7 +268,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.free(sid)
         self.bm.check_invariants()
         assert self.bm.num_free_blocks() == self.bm.num_blocks and self.bm.usage() == 0.0
-        assert self.bm.prefix_hits <= self.bm.prefix_queries
 
 
 BlockManagerMachine.TestCase.settings = settings(

@@ -232,7 +232,7 @@ def test_speculation_off_above_max_batch(method: str) -> None:
     requests = [
         req("short", [2, 7, 1, 8, 2, 8] * 2, 6),
         req("x", [3, 1, 4, 1, 5, 9] * 2, 40),
-        req("y", [2, 7, 1, 8, 2, 8] * 2, 40),
+        req("y", [2, 6, 4, 3, 3, 8] * 2, 40),  # not short's prompt: it would wait to share it
     ]
     sched = make(method, reqs=requests, max_batch=2)
     run = drive(sched, SpecFakeWorker("oracle"), overlap=False)
