@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -39,37 +41,70 @@ def _samples(server) -> dict[str, dict[tuple, float]]:
     return out
 
 
+def _total(m: dict[str, dict[tuple, float]], name: str, labels: tuple = ()) -> float:
+    return m.get(name, {}).get(labels, 0.0)
+
+
+def _tokenizer_total(m: dict[str, dict[tuple, float]]) -> float:
+    return sum(m.get("stoker:tokenizer_requests_total", {}).values())
+
+
 def test_metrics_after_traffic(server):
-    # Two requests with the same 3-block prompt: the second hits the prefix cache.
+    """The session-wide server has served other tests' traffic, so counters are compared before
+    and after two requests of a known shape; they must move by exactly what those produce."""
+    # Two requests with the same 3-block prompt (no other test sends it): the second one hits
+    # the prefix cache for its 3 full blocks.
     prompt = [(i * 7) % 500 + 3 for i in range(3 * server.block_size + 5)]
+    server.wait_idle(5.0)
+    before = _samples(server)
     for _ in range(2):
         body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         assert (
             httpx.post(f"{server.base_url}/completions", json=body, timeout=30).status_code == 200
         )
-    server.wait_idle(1.0)
-    m = _samples(server)
+    length = (("finished_reason", "length"),)
+    expected = {
+        ("stoker:prompt_tokens_total", ()): 2 * len(prompt),
+        ("stoker:generation_tokens_total", ()): 12,
+        ("stoker:prefix_cache_queries_total", ()): 2 * (len(prompt) - 1),
+        ("stoker:prefix_cache_hits_total", ()): 3 * server.block_size,
+        ("stoker:request_success_total", length): 2,
+        ("stoker:time_to_first_token_seconds_count", ()): 2,
+        ("stoker:e2e_request_latency_seconds_count", ()): 2,
+        ("stoker:request_queue_time_seconds_count", ()): 2,
+    }
+
+    def deltas(m) -> dict[tuple[str, tuple], float]:
+        return {k: _total(m, *k) - _total(before, *k) for k in expected}
+
+    # Engine counters come with the scheduler's stats and tokenizer counts with the 0.5 s
+    # heartbeat, after the responses: poll for them rather than read once.
+    deadline = time.monotonic() + 10.0
+    while True:
+        server.wait_idle(1.0)
+        m = _samples(server)
+        served = _tokenizer_total(m) - _tokenizer_total(before)
+        if (deltas(m) == expected and served == 2) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert deltas(m) == expected
+    assert served == 2
 
     for name in HISTOGRAMS:
-        count = m[f"{name}_count"][()]
-        assert count > 0, name
-        assert 0 <= m[f"{name}_sum"][()] < count * 60, name
-    assert m["stoker:inter_token_latency_seconds_count"][()] >= 10
+        count = _total(m, f"{name}_count") - _total(before, f"{name}_count")
+        total = _total(m, f"{name}_sum") - _total(before, f"{name}_sum")
+        assert 0 <= total < max(count, 1) * 60, name
+    # One observation per token after each request's first delta (which may carry several).
+    itl = "stoker:inter_token_latency_seconds_count"
+    assert 1 <= _total(m, itl) - _total(before, itl) <= 10
     for name in GAUGES:
         assert () in m[name], name
     assert m["stoker:kv_cache_total_blocks"][()] == server.num_kv_blocks
     assert m["stoker:kv_cache_free_blocks"][()] == server.num_kv_blocks
     assert m["stoker:num_requests_running"][()] == 0
     assert 0 <= m["stoker:kv_cache_usage_perc"][()] <= 1
-    assert m["stoker:prompt_tokens_total"][()] >= 2 * len(prompt)
-    assert m["stoker:generation_tokens_total"][()] >= 12
-    assert m["stoker:prefix_cache_queries_total"][()] >= 2 * (len(prompt) - 1)
-    assert m["stoker:prefix_cache_hits_total"][()] >= 3 * server.block_size
-    success = m["stoker:request_success_total"]
-    assert success[(("finished_reason", "length"),)] >= 2
     tokenizers = m["stoker:tokenizer_requests_total"]
     assert {dict(k)["tokenizer"] for k in tokenizers} == {"tok-0", "tok-1"}
-    assert sum(tokenizers.values()) >= 2
 
 
 def test_models(server):
