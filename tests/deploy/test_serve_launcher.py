@@ -22,6 +22,22 @@ def model(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("serve") / "model", "llama")
 
 
+PER_POS = "stoker:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """Sample name (with its labels as written) -> value."""
+    import urllib.request
+
+    with urllib.request.urlopen(url) as resp:
+        text = resp.read().decode()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
 def _start(model, tmp_path, port):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model)]
@@ -75,7 +91,6 @@ def test_dead_child_is_named_and_serve_exits_nonzero(model, tmp_path):
 
 def test_null_model_runs_the_whole_pipeline_and_exports_step_telemetry(model, tmp_path):
     import asyncio
-    import urllib.request
 
     from openai import AsyncOpenAI
 
@@ -106,16 +121,32 @@ def test_null_model_runs_the_whole_pipeline_and_exports_step_telemetry(model, tm
             return await asyncio.gather(*(one(i) for i in range(32)))
 
         assert asyncio.run(many()) == [64] * 32
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as resp:
-            metrics = resp.read().decode()
-        counts = {
-            line.split()[0]: float(line.split()[1])
-            for line in metrics.splitlines()
-            if line.startswith("stoker:step_") and "_count" in line
-        }
-        for name in ("schedule", "plan_ipc", "result_ipc", "worker_forward", "worker_idle"):
-            assert counts[f"stoker:step_{name}_seconds_count"] > 0
-        assert "stoker:device_busy_fraction" in metrics
+        # Stats arrive periodically: poll until the last step's result is counted.
+        deadline = time.monotonic() + 10.0
+        while True:
+            m = _metrics(f"http://127.0.0.1:{port}/metrics")
+            steps = m.get("stoker:steps_total", 0.0)
+            settled = m.get("stoker:generation_tokens_total") == 32 * 64 and steps == m.get(
+                "stoker:step_worker_forward_seconds_count"
+            )
+            if settled or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        # What 32 streams of 3-token prompts and 64 tokens each must produce.
+        assert m["stoker:generation_tokens_total"] == 32 * 64
+        assert m["stoker:prompt_tokens_total"] == 32 * 3
+        assert m['stoker:request_success_total{finished_reason="length"}'] == 32
+        # One sampled token per request per step (no speculation): at least 64 steps, at
+        # most one per token; each result is timed once in every worker-side histogram.
+        assert 64 <= steps <= 32 * 64
+        for name in ("update", "plan_ipc", "result_ipc", "worker_prepare", "worker_forward"):
+            assert m[f"stoker:step_{name}_seconds_count"] == steps, name
+        assert m["stoker:step_worker_sample_seconds_count"] == steps
+        assert m["stoker:step_worker_idle_seconds_count"] == steps
+        # Every plan is timed once when planned and once when sent; each result answers one.
+        assert m["stoker:step_schedule_seconds_count"] == m["stoker:step_plan_encode_seconds_count"]
+        assert m["stoker:step_schedule_seconds_count"] >= steps
+        assert 0.0 <= m["stoker:device_busy_fraction"] <= 1.0
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
@@ -160,6 +191,10 @@ def test_greedy_outputs_identical_across_overlap_and_speculation(model, tmp_path
                 assert values["stoker:spec_decode_num_drafts_total"] > 0
                 accepted = values["stoker:spec_decode_num_accepted_tokens_total"]
                 assert 0 <= accepted <= values["stoker:spec_decode_num_draft_tokens_total"]
+                m = _metrics(f"http://127.0.0.1:{port}/metrics")
+                per_pos = [v for k, v in m.items() if k.startswith(PER_POS)]
+                assert sum(per_pos) == accepted  # each accepted draft counted at its position
+                assert m["stoker:generation_tokens_total"] == 24 * len(prompts)
         finally:
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0
