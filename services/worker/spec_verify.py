@@ -5,8 +5,8 @@ target's next token. Sampled requests use rejection sampling (Leviathan et al. 2
 al. 2023): draft d at position j is accepted with probability min(1, p_j(d) / q_j(d)); at the
 first rejection a token is drawn from normalise(max(p_j - q_j, 0)); if every draft passes, a
 bonus token is drawn from p_{k}. So output tokens are distributed exactly as the target's p,
-where p is the target's distribution after penalties, temperature, top-k, top-p and min-p, and q
-is the proposer's (one-hot on d for n-gram proposals).
+where p is the target's distribution after logit_bias, penalties, temperature, min-p, top-k
+and top-p, and q is the proposer's (one-hot on d for n-gram proposals).
 
 Seeded requests verify differently, so that their output never depends on k, on whether a
 position was drafted at all, or on the batch: the target's token at each output position is
