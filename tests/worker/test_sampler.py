@@ -15,6 +15,7 @@ from services.worker.sampler import (
     filtered_probs,
     token_logprobs,
 )
+from services.worker.sampling_state import RequestSampling, Row, batch_for
 
 V = 8
 N = 20_000  # samples per distribution test, drawn as one batch of identical rows
@@ -294,3 +295,36 @@ def test_order_matters_in_these_cases():
     # token 2 has .60 above it: only 0 and 1 stay. Top-p first would keep 2 (.60 < .70).
     q = filtered_probs(PROBS.log()[None], build([SamplingParams(min_p=0.3, top_p=0.7)]))[0]
     assert (q > 0).tolist() == [True, True, False, False, False, False, False, False]
+
+
+def test_device_state_matches_token_lists():
+    """The runner's per-request device state (counts updated step by step, verify rows seeing
+    the drafts ahead of them) penalises exactly as the token lists would."""
+    vocab = 16
+    params = [
+        SamplingParams(repetition_penalty=1.4, frequency_penalty=0.5, logit_bias={3: 2.0}),
+        SamplingParams(),
+        SamplingParams(presence_penalty=0.7, logit_bias={1: -1.0, 2: 1.0}),
+    ]
+    prompts = [[1, 2, 2], [4], [5, 6]]
+    outputs = [[7, 7], [8], []]
+    states = [RequestSampling(p, pr, [], vocab, "cpu") for p, pr in zip(params, prompts)]
+    for state, out in zip(states, outputs):
+        for token in out:  # one step at a time, as the runner appends them
+            state.add([token])
+    drafts = [9, 7, 9]  # request 0 verifies 3 drafts: 4 rows; the others one row each
+    rows = [Row(states[0], 2 + j, drafts[:j]) for j in range(4)]
+    rows += [Row(states[1], 1), Row(states[2], 0)]
+    got = batch_for(rows, vocab, "cpu")
+    row_params = [params[0]] * 4 + params[1:]
+    want = SamplingBatch.build(
+        row_params,
+        [prompts[0]] * 4 + prompts[1:],
+        [outputs[0] + drafts[:j] for j in range(4)] + outputs[1:],
+        vocab,
+        "cpu",
+    )
+    logits = torch.randn(len(rows), vocab, generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(apply_penalties(logits, got), apply_penalties(logits, want))
+    assert got.penalties is not None and got.penalties.rows.tolist() == [0, 1, 2, 3, 5]
+    assert got.seeded == want.seeded
