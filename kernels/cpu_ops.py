@@ -32,6 +32,13 @@ def _cpu_signature() -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
+def _source_hash() -> str:
+    digest = hashlib.sha1()
+    for path in sorted(_SOURCES.glob("*.cpp")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
 def load() -> ModuleType | None:
     """The compiled module, or None when native kernels are disabled or cannot be built."""
     global _module
@@ -41,12 +48,14 @@ def load() -> ModuleType | None:
             try:
                 from torch.utils.cpp_extension import load as build
 
-                # Per environment (two checkouts or venvs never rebuild over each other) and per
-                # CPU: -march=native code from one machine can die with SIGILL on another.
+                # Per environment, per CPU (-march=native code from one machine can die with
+                # SIGILL on another) and per source version: checkouts at different commits
+                # sharing one venv would otherwise rebuild over each other, and a build killed
+                # mid-way leaves a lock every later process waits on.
                 build_dir = (
                     Path(sys.prefix)
                     / "stoker-kernels"
-                    / f"torch-{torch.__version__}-cpu-{_cpu_signature()}"
+                    / f"torch-{torch.__version__}-cpu-{_cpu_signature()}-src-{_source_hash()}"
                 )
                 build_dir.mkdir(parents=True, exist_ok=True)
                 _module = build(

@@ -11,11 +11,16 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 CORPUS = [
@@ -58,7 +63,24 @@ CONFIGS = {
     "mistral": MistralConfig,
     "qwen2": Qwen2Config,
     "qwen3": Qwen3Config,
+    "gemma2": Gemma2Config,
+    "gemma3": Gemma3TextConfig,  # saved as Gemma3ForCausalLM, model_type gemma3_text
+    "phi3": Phi3Config,
+    "qwen3_moe": Qwen3MoeConfig,
+    "mixtral": MixtralConfig,
 }
+
+
+def _randomise_zero_init(model: torch.nn.Module, std: float) -> None:
+    """Gemma's (1 + w) norms and the MoE routers start at exactly zero (and Llama's norms at
+    one); random values there make the tests see a wrong norm or routing convention. Only for
+    the newer families, so the older families' test models stay as they were."""
+    if model.config.model_type in ("llama", "mistral", "qwen2", "qwen3"):
+        return
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("gate.weight"):
+                p.add_(torch.randn_like(p) * (std if "gate" in name else 0.3))
 
 
 def make_model(
@@ -100,6 +122,7 @@ def make_model(
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _randomise_zero_init(model, initializer_range)
     model.save_pretrained(path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
