@@ -152,6 +152,7 @@ class RequestTokens(msgspec.Struct, array_like=True, gc=False):
     num_cached_tokens: int = 0  # prefix-cache hit, set on the first message
     queue_s: float = 0.0  # time from arrival to first schedule, set on the first message
     error: str | None = None  # the scheduler rejected the request (finish_reason "abort")
+    error_status: int = 400  # 503: the engine lost it (the client may retry)
 
 
 class TokenBatch(msgspec.Struct, array_like=True, gc=False, tag="tokens"):

@@ -17,6 +17,7 @@ import time
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from common.addresses import API_ROUTING_ID, Addresses, bind_address
 from common.ipc import api_from_scheduler_decoder, api_inbound_decoder, encoder
@@ -107,6 +108,11 @@ class EngineClient:
             asyncio.create_task(self._stats_loop()),
             asyncio.create_task(self._lost_tokenizer_loop()),
             asyncio.create_task(self._engine_watch_loop()),
+            asyncio.create_task(
+                self._scheduler_watch_loop(
+                    self._scheduler.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                )
+            ),
         ]
 
     async def close(self) -> None:
@@ -268,6 +274,13 @@ class EngineClient:
         if failed:
             log.warning("failed %d requests of lost tokenizers", len(failed))
         return failed
+
+    async def _scheduler_watch_loop(self, monitor: zmq.asyncio.Socket) -> None:
+        """A scheduler that dies closes its connection: everything in flight is lost now."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED and self.stats is not None:
+                self.engine_lost("the scheduler disconnected")
 
     async def _engine_watch_loop(self) -> None:
         while True:

@@ -24,6 +24,7 @@ import msgspec
 import uvloop
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from common.addresses import API_ROUTING_ID, Addresses, bind_address
 from common.config import EngineConfig
@@ -108,15 +109,45 @@ class SchedulerService:
         self.blocks: BlockManager | None = None
         self.max_model_len = 0
         self.incarnation = ""  # of our last SchedulerHello
+        self.worker_ready = False
+        self.worker_lost = asyncio.Event()  # the worker's connection closed (it died)
+        # Requests that arrive while a lost worker is replaced join the new core once it is up.
+        self._pending: list[tuple[bytes, GenerateRequest]] = []
 
     async def run(self) -> None:
+        monitor = self.plans.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._start(await self._handshake())
         log.info(
             "scheduler ready: %d blocks, max_model_len %d",
             self.blocks.num_blocks if self.blocks else 0,
             self.max_model_len,
         )
-        await asyncio.gather(self._inbound_loop(), self._step_loop(), self._stats_loop())
+        await asyncio.gather(
+            self._inbound_loop(), self._step_loop(), self._stats_loop(), self._watch(monitor)
+        )
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """A worker that dies closes its connection: fail what it held and wait for the next
+        one now, rather than at the step timeout."""
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                log.error("the worker disconnected")
+                self.worker_lost.set()
+                self.wakeup.set()
+
+    async def _recover(self) -> None:
+        """Fail every request, then handshake with whichever worker comes next and serve on."""
+        self.worker_ready = False
+        self.worker_lost.clear()
+        self._fail_all("the worker was lost; the request failed")
+        self.stats_due.set()
+        self._start(await self._handshake())
+        pending, self._pending = self._pending, []
+        for routing_id, msg in pending:
+            self._add(routing_id, msg)
+        log.warning("serving again: %d KV blocks", self.blocks.num_blocks if self.blocks else 0)
+        self.stats_due.set()
 
     async def _handshake(self) -> WorkerReady:
         """Ask the worker to (re)announce itself and forget old requests; a worker that starts
@@ -135,6 +166,7 @@ class SchedulerService:
                 return msg
 
     def _start(self, ready: WorkerReady) -> None:
+        self.worker_ready = True
         self.max_model_len = ready.max_model_len
         self.blocks = BlockManager(
             ready.num_blocks, ready.block_size, self.config.enable_prefix_caching
@@ -153,14 +185,14 @@ class SchedulerService:
     def _fail_all(self, message: str) -> None:
         """Every request is lost (the worker stalled or restarted): tell each owning tokenizer
         (it drops their state) and the api (it answers 503 / an SSE error event)."""
+        self._send_api(EngineFailure(message))  # first: the api answers before tokenizers do
         replies: dict[bytes, list[RequestTokens]] = collections.defaultdict(list)
         for req_id, owner in self.owners.items():
             replies[owner.routing_id].append(
-                RequestTokens(req_id, b"", finish_reason="abort", error=message)
+                RequestTokens(req_id, b"", finish_reason="abort", error=message, error_status=503)
             )
         self.owners = {}
         self._send_batches(replies)
-        self._send_api(EngineFailure(message))
         log.error("engine failure: %s (%d requests failed)", message, len(replies))
 
     # -- inbound ----------------------------------------------------------------------------------
@@ -177,8 +209,14 @@ class SchedulerService:
                 log.warning("dropped a malformed inbound message: %s", e)
                 continue
             if isinstance(msg, GenerateRequest):
-                self._add(routing_id, msg)
+                if self.worker_ready:
+                    self._add(routing_id, msg)
+                else:
+                    self._pending.append((routing_id, msg))
             elif isinstance(msg, Abort):
+                if self._pending:
+                    gone = set(msg.req_ids)
+                    self._pending = [p for p in self._pending if p[1].req_id not in gone]
                 self._abort(msg)
             self.wakeup.set()
 
@@ -223,6 +261,10 @@ class SchedulerService:
         assert self.scheduler is not None
         inflight: collections.deque[StepPlan] = collections.deque()
         while True:
+            if self.worker_lost.is_set():
+                inflight.clear()
+                await self._recover()
+                continue
             if len(inflight) < self.depth:
                 t0 = time.perf_counter()
                 plan = self.scheduler.schedule()
@@ -280,12 +322,18 @@ class SchedulerService:
         request failed, the core rebuilt on its blocks). Malformed or stale messages are dropped.
         Raises EngineStalled when the worker is silent for the step timeout."""
         while True:
-            try:
-                raw = await asyncio.wait_for(self.results.recv(), self.step_timeout_s)
-            except asyncio.TimeoutError:
-                raise EngineStalled(
-                    f"the worker made no progress for {self.step_timeout_s:g} s"
-                ) from None
+            recv = asyncio.ensure_future(self.results.recv())
+            lost = asyncio.ensure_future(self.worker_lost.wait())
+            done, _ = await asyncio.wait(
+                {recv, lost}, timeout=self.step_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            lost.cancel()
+            if recv not in done:
+                recv.cancel()
+                if self.worker_lost.is_set():
+                    return None  # the step loop recovers
+                raise EngineStalled(f"the worker made no progress for {self.step_timeout_s:g} s")
+            raw = recv.result()
             try:
                 msg = worker_outbound_decoder.decode(raw)
             except msgspec.DecodeError:
@@ -384,7 +432,7 @@ class SchedulerService:
     def stats(self) -> SchedulerStats:
         assert self.scheduler is not None and self.blocks is not None
         return SchedulerStats(
-            worker_ready=True,
+            worker_ready=self.worker_ready,
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
             num_free_blocks=self.blocks.num_free_blocks(),

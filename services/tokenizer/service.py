@@ -162,7 +162,8 @@ class TokenizerService:
             num_prompt_tokens=item.num_prompt_tokens,
             num_cached_tokens=item.num_cached_tokens,
             queue_s=item.queue_s,
-            error=item.error,  # the scheduler rejected it: the api answers 400
+            error=item.error,  # the scheduler rejected it (400) or lost it (503)
+            error_status=item.error_status,
         )
 
     # -- IO shell -------------------------------------------------------------------------------
