@@ -37,9 +37,8 @@ _PROMPT = {
 
 
 def _errors(*codes: int) -> dict[str, Any]:
-    ref = {"$ref": "#/components/schemas/Error"}
-    return {str(c): {"description": "error", "content": {"application/json": {"schema": ref}}}
-            for c in codes}  # fmt: skip
+    content = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+    return {str(c): {"description": "an OpenAI error body", "content": content} for c in codes}
 
 
 def _generate_op(name: str, summary: str) -> dict[str, Any]:
@@ -60,9 +59,8 @@ def _generate_op(name: str, summary: str) -> dict[str, Any]:
 
 
 def _get_op(summary: str, *errors: int) -> dict[str, Any]:
-    return {
-        "get": {"summary": summary, "responses": {"200": {"description": "ok"}, **_errors(*errors)}}
-    }  # noqa: E501
+    responses = {"200": {"description": "ok"}, **_errors(*errors)}
+    return {"get": {"summary": summary, "responses": responses}}
 
 
 def openapi_document(limits: Limits, secured: bool) -> dict[str, Any]:
