@@ -239,13 +239,19 @@ class EngineClient:
 
     def _on_heartbeat(self, msg: TokenizerHeartbeat) -> None:
         now = time.monotonic()
-        if msg.tokenizer_id not in self.tokenizers and msg.slot:
-            # A new incarnation in a known slot (a restarted process or container): its
-            # predecessor's requests died with it, so fail them now rather than after LOST_S.
-            for t in self.tokenizers.values():
-                if t.slot == msg.slot:
+        if msg.slot:
+            # Another id in this slot with the same pid (pid 1 in a restarted container), or
+            # one gone quiet, is this process's predecessor: its requests died with it, so fail
+            # them now rather than after LOST_S. Two live processes on one host (same slot,
+            # different pids) are both kept.
+            replaced = False
+            for name, t in self.tokenizers.items():
+                same_slot = name != msg.tokenizer_id and t.slot == msg.slot
+                if same_slot and (t.pid == msg.pid or now - t.last_seen > STALE_S):
                     t.last_seen = -float("inf")
-            self.fail_lost_tokenizers(now)
+                    replaced = True
+            if replaced:
+                self.fail_lost_tokenizers(now)
         self.tokenizers[msg.tokenizer_id] = _Tokenizer(msg.pid, msg.requests_served, now, msg.slot)
 
     async def _lost_tokenizer_loop(self) -> None:

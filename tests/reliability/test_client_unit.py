@@ -46,6 +46,9 @@ def test_new_incarnation_in_a_slot_fails_the_old_ones_requests_at_once():
     delta = queue.get_nowait()
     assert delta.error_status == 503 and "tok-0-aaaa" in delta.error
     assert list(client.tokenizers) == ["tok-0-bbbb"] and client.aborts == ["r1"]
+    # Two live processes on one host share a default slot (tok-<host>) but not a pid: both stay.
+    client._on_heartbeat(TokenizerHeartbeat("tok-0-cccc", 11, 0, slot="tok-0"))
+    assert sorted(client.tokenizers) == ["tok-0-bbbb", "tok-0-cccc"]
 
 
 def test_engine_lost_fails_everything_until_a_ready_worker_is_reported():
