@@ -23,12 +23,14 @@ from common.ipc import encoder, plan_decoder
 from common.messages import SchedulerHello, WorkerReady
 from services.engine_args import add_engine_args, engine_config_from_args
 from services.worker.model_runner import ModelRunner
+from services.worker.warmup import warm_up
 
 log = logging.getLogger("stoker.worker")
 
 
 def run_worker(config: EngineConfig, addresses: Addresses) -> None:
     runner = ModelRunner(config)
+    warm_up(runner)  # before ready: /health turns green only once the first request is fast
     ctx = zmq.Context()
     plans = ctx.socket(zmq.PULL)
     plans.connect(addresses.worker_plan)
