@@ -298,6 +298,8 @@ class Scheduler:
             count = 1 if counts is None else counts[row]
             tokens = token_ids[offset : offset + count]
             logprobs = None if result.logprobs is None else result.logprobs[offset : offset + count]
+            if logprobs is not None and logprobs[0] is None:
+                logprobs = None  # another request in the step asked; this one did not
             offset += count
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:

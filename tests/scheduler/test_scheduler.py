@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
-from common.messages import NewRequestData, StepPlan, StepResult, num_ids
+from common.messages import NewRequestData, StepPlan, StepResult, TokenLogprobs, num_ids, pack_ids
 from services.scheduler.request import FinishReason, Request
 from services.scheduler.scheduler import Scheduler
 from tests.fake_worker import EOS, VOCAB, FakeWorker, assert_idle, make, req
@@ -284,3 +284,18 @@ def test_num_cached_tokens_is_the_hit_at_admission() -> None:
     run = drive(sched, worker, overlap=False)
     assert [(n.req_id, n.num_computed_tokens) for n in run.news] == [("a", 0), ("b", 0)]
     assert b.num_cached_tokens == 0
+
+
+def test_logprobs_only_for_requests_that_asked() -> None:
+    """A step result carries None rows for requests that did not ask for logprobs; their
+    updates must say None, not [None] (the token batch's wire type has no None entries: the
+    tokenizer dropped whole batches when one request in a step asked and another did not)."""
+    sched = make()
+    sched.add_request(req("a", [1, 2, 3], 4))
+    sched.add_request(req("b", [4, 5, 6], 4))
+    plan = sched.schedule()
+    lp = TokenLogprobs(-0.5, [7], [-0.5])
+    result = StepResult(plan.step_id, ["a", "b"], pack_ids([7, 8]), logprobs=[lp, None])
+    updates = {u.req_id: u for u in sched.update(plan, result)}
+    assert updates["a"].logprobs == [lp]
+    assert updates["b"].logprobs is None

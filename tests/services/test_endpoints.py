@@ -124,3 +124,24 @@ def test_health_and_debug_state(server):
     assert sched["num_total_blocks"] == server.num_kv_blocks
     assert {"num_running", "num_waiting", "num_free_blocks"} <= set(sched)
     assert set(state["tokenizers"]) == {"tok-0", "tok-1"}
+
+
+def test_requests_with_and_without_logprobs_share_steps(server):
+    """Requests that ask for logprobs and requests that do not, decoding in the same steps,
+    all complete with what they asked for (a step's None rows once broke the token batch)."""
+    import concurrent.futures
+
+    def one(i: int) -> dict:
+        body = {"prompt": [5 + i, 6, 7], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        if i % 2 == 0:
+            body["logprobs"] = 2
+        r = httpx.post(f"{server.base_url}/completions", json=body, timeout=30)
+        assert r.status_code == 200
+        return r.json()
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(one, range(8)))
+    for i, out in enumerate(outs):
+        assert out["usage"]["completion_tokens"] == 16
+        logprobs = out["choices"][0]["logprobs"]
+        assert (logprobs is not None and len(logprobs["token_logprobs"]) == 16) == (i % 2 == 0)
