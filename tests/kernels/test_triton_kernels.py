@@ -466,7 +466,7 @@ def test_tiny_model_forced_triton_matches_torch(tmp_path, monkeypatch):
     from common.sampling_params import SamplingParams
     from kernels import cpu_ops
     from services.engine import LLM
-    from services.worker.models import llama
+    from services.worker.models import layers
     from tests.factory import make_model
 
     path = make_model(
@@ -497,7 +497,7 @@ def test_tiny_model_forced_triton_matches_torch(tmp_path, monkeypatch):
         "apply_rotary",
     )
     for name in kernels:
-        monkeypatch.setattr(llama, name, getattr(dispatch, name))
+        monkeypatch.setattr(layers, name, getattr(dispatch, name))
     counts: dict[str, int] = {}
 
     def counting(module, name):
