@@ -33,7 +33,7 @@ MAX_TOKENS = 24
 QUESTIONS = [
     ("What is the capital of France?", "Paris"),
     ("What is the capital of Japan?", "Tokyo"),
-    ("How many days are there in a week?", "seven"),
+    ("How many days are there in a week?", "7"),
     ("What is 2 + 2?", "4"),
     ("What is 12 times 3?", None),
     ("Who wrote Romeo and Juliet?", "Shakespeare"),
