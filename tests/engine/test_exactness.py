@@ -35,8 +35,10 @@ def _prompts(seed: int, shared_prefix: int = 0) -> list[list[int]]:
     return [prefix + [rng.randrange(3, 500) for _ in range(n)] for n in lengths]
 
 
-def _hf_greedy(path, prompts: list[list[int]]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def _hf_greedy(path, prompts: list[list[int]], **load) -> list[list[int]]:
+    """transformers' greedy continuations, one prompt at a time, EOS ignored. `load` goes to
+    from_pretrained (e.g. gguf_file=)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **load).eval()
     out = []
     with torch.inference_mode():
         for prompt in prompts:

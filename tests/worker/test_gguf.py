@@ -9,19 +9,17 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from common.gguf_file import GGUFError, find_gguf
 from common.model_config import ModelConfig, ModelLoadError
 from common.tokenizer_files import load_tokenizer
-from services.engine import LLM, SamplingParams
+from services.engine import LLM
+from tests.engine.test_exactness import GREEDY, _hf_greedy
 from tests.factory import make_model
 from tests.gguf_factory import write_gguf
 
-NEW_TOKENS = 16
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # (architecture, tensor type, extra config): every type on Llama (whose q/k rows llama.cpp
 # permutes), a quantized type on each other architecture.
 CASES = [
@@ -41,25 +39,6 @@ CASES = [
 def _prompts(seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 7, 19, 40)]
-
-
-def _hf_greedy(gguf_path, prompts):
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    ).eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            out.append(ids[0, len(prompt) :].tolist())
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +63,7 @@ def test_greedy_equals_transformers_on_the_same_file(
     prompts = _prompts(len(weight_type))
     llm = LLM(str(path), num_kv_blocks=64, block_size=8, max_num_batched_tokens=48)
     got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    assert got == _hf_greedy(path, prompts)
+    assert got == _hf_greedy(str(path.parent), prompts, gguf_file=path.name)
     blocks = llm.engine.block_manager
     blocks.check_invariants()
     assert blocks.num_free_blocks() == blocks.num_blocks
