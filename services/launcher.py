@@ -24,7 +24,6 @@ import urllib.request
 from dataclasses import dataclass
 
 from common.addresses import Addresses, private_dir
-from common.model_registry import served_model_name
 from services.api.__main__ import add_safety_args
 from services.engine_args import add_engine_args, engine_args_to_argv
 
@@ -153,8 +152,8 @@ def serve(args: argparse.Namespace) -> int:
                     announced = True
                     took = time.monotonic() - started
                     print(
-                        f"stoker: serving {served_model_name(args.model)} on "
-                        f"http://{args.host}:{args.port} (ready in {took:.1f}s)",
+                        f"stoker: serving {args.model} on http://{args.host}:{args.port} "
+                        f"(ready in {took:.1f}s)",
                         flush=True,
                     )
                 elif time.monotonic() - started > HEALTH_TIMEOUT_S:
