@@ -88,13 +88,11 @@ class SchedulerService:
         self.step_timeout_s = step_timeout_s
         self.ctx = zmq.asyncio.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
-        # A batch for an unknown or full peer raises instead of vanishing; sends go through a
-        # blocking-free shadow of the socket so the failure surfaces at the call.
+        # A batch for an unknown or full peer raises instead of vanishing (see _send_now).
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.SNDHWM, TOKENIZER_HWM)
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted api reclaims its id
         self.router.bind(bind_address(addresses.scheduler))
-        self._router_now = zmq.Socket.shadow(self.router.underlying)
         self.plans = self.ctx.socket(zmq.PUSH)
         self.plans.bind(bind_address(addresses.worker_plan))
         self.results = self.ctx.socket(zmq.PULL)
@@ -392,8 +390,7 @@ class SchedulerService:
             if not items:
                 continue
             try:
-                frames = [routing_id, encoder.encode(TokenBatch(items))]
-                self._router_now.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                self._send_now([routing_id, encoder.encode(TokenBatch(items))])
             except zmq.ZMQError as e:  # gone (EHOSTUNREACH) or too far behind (EAGAIN)
                 log.error("tokenizer %s cannot take its tokens (%s)", routing_id.decode(), e)
                 lost.append(routing_id)
@@ -413,10 +410,19 @@ class SchedulerService:
             self._send_api(EngineFailure(f"tokenizer {name} fell behind or went away", ids))
             self.stats_due.set()
 
+    def _send_now(self, frames: list[bytes]) -> None:
+        """Send on the router without waiting; raise zmq.ZMQError if the peer is unknown or full.
+
+        Through the asyncio socket, never a sync shadow of it: ZMQ's read wakeup is edge
+        triggered, and a send on a shadow can consume the edge that would have woken the pending
+        recv, leaving requests unread in the socket until some other message arrives."""
+        sent = self.router.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        if sent.done() and sent.exception() is not None:
+            raise sent.exception()  # type: ignore[misc]
+
     def _send_api(self, msg: SchedulerStats | EngineFailure) -> None:
         try:
-            frames = [API_ROUTING_ID, encoder.encode(msg)]
-            self._router_now.send_multipart(frames, flags=zmq.NOBLOCK)
+            self._send_now([API_ROUTING_ID, encoder.encode(msg)])
         except zmq.ZMQError as e:  # the api is not connected (yet): stats come again shortly
             log.debug("could not reach the api: %s", e)
 
