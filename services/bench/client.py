@@ -3,6 +3,9 @@
 TTFT is the time to the first chunk with non-empty content; every later content chunk adds one
 inter-token latency (ITL) gap, even when it carries several tokens (as vLLM's benchmark counts
 it). Output tokens come from the usage chunk when the server sends one, else one per chunk.
+
+The client is aiohttp, as in vLLM's benchmark: at hundreds of streams httpx's connection pool
+costs O(connections) per request and the client, not the server, sets the ceiling.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
+import aiohttp
 
 from services.bench.datasets import Prompt, SampleRequest
 
@@ -91,8 +94,29 @@ def chunk_text(chunk: dict[str, Any]) -> str:
     return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
 
 
+def sse_data_lines(buffer: bytearray, chunk: bytes) -> list[str]:
+    """Append a network chunk to `buffer`; return the complete `data:` payloads it finished.
+
+    Chunks split lines anywhere, so a partial line stays in the buffer for the next call."""
+    buffer += chunk
+    end = buffer.rfind(b"\n")
+    if end < 0:
+        return []
+    complete = bytes(buffer[: end + 1])
+    del buffer[: end + 1]
+    return [
+        line[5:].strip().decode()
+        for line in complete.split(b"\n")
+        if line.startswith(b"data:")  # not blank separators, comments or `event:` lines
+    ]
+
+
 async def send_request(
-    client: httpx.AsyncClient, url: str, payload: dict[str, Any], prompt_len: int, t0: float
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: dict[str, Any],
+    prompt_len: int,
+    t0: float,
 ) -> RequestResult:
     """POST one streaming request; never raises: failures come back with `error` set."""
     res = RequestResult(prompt_len=prompt_len)
@@ -101,26 +125,29 @@ async def send_request(
     texts: list[str] = []
     usage: dict[str, Any] = {}
     try:
-        async with client.stream("POST", url, json=payload) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                res.error = f"HTTP {resp.status_code}: {body[:1000]}"
+        async with session.post(url, json=payload) as resp:
+            if resp.status != 200:
+                body = (await resp.read()).decode(errors="replace")
+                res.error = f"HTTP {resp.status}: {body[:1000]}"
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators, comments, `event:` lines
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
+            buffer = bytearray()
+            done = False
+            async for chunk in resp.content.iter_any():
                 now = time.perf_counter()
-                chunk = json.loads(data)
-                if chunk.get("error"):
-                    res.error = f"stream error: {json.dumps(chunk['error'])[:1000]}"
-                    return res
-                if text := chunk_text(chunk):
-                    res.chunk_times.append(now - st)
-                    texts.append(text)
-                usage = chunk.get("usage") or usage
+                for data in sse_data_lines(buffer, chunk):
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    event = json.loads(data)
+                    if event.get("error"):
+                        res.error = f"stream error: {json.dumps(event['error'])[:1000]}"
+                        return res
+                    if text := chunk_text(event):
+                        res.chunk_times.append(now - st)
+                        texts.append(text)
+                    usage = event.get("usage") or usage
+                if done:
+                    break
         res.success = True
     except Exception as e:  # a benchmark records every failure and goes on
         res.error = f"{type(e).__name__}: {e}"
@@ -134,3 +161,16 @@ async def send_request(
     res.ttft = times[0] if times else res.latency
     res.itl = [b - a for a, b in zip(times, times[1:])]
     return res
+
+
+def new_session(
+    max_connections: int, timeout_s: float, headers: dict[str, str] | None = None
+) -> aiohttp.ClientSession:
+    """A session whose pool holds every concurrent stream (no queueing inside the client)."""
+    connector = aiohttp.TCPConnector(limit=max_connections, force_close=False)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+        headers=headers,
+        read_bufsize=1 << 20,
+    )

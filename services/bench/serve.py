@@ -28,7 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from services.bench import datasets
-from services.bench.client import RequestResult, build_payload, send_request
+from services.bench.client import RequestResult, build_payload, new_session, send_request
 from services.bench.datasets import SampleRequest, Tokenizer
 from services.bench.metrics import METRICS, compute_metrics, format_table
 from services.bench.plot import have_matplotlib, plot_result
@@ -161,13 +161,10 @@ async def run_benchmark(
     """Send every payload; return the per-request results (in payload order) and the duration."""
     n = len(payloads)
     pool = max_concurrency or n
-    limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     rng = np.random.default_rng(seed + 1)  # arrivals: independent of the prompts' stream
     pbar = tqdm(total=n, disable=disable_tqdm, desc="requests")
-    async with httpx.AsyncClient(
-        limits=limits, timeout=httpx.Timeout(timeout), headers=headers
-    ) as client:
+    async with new_session(pool, timeout, headers) as client:
         t0 = time.perf_counter()
 
         async def one(i: int) -> RequestResult:

@@ -125,3 +125,16 @@ def test_format_table() -> None:
         assert label in table
     assert "E2EL" not in table
     assert "P99 E2EL (ms):" in format_table(m, None, 1.0, shown=("e2el",))
+
+
+def test_sse_lines_survive_chunks_split_anywhere() -> None:
+    from services.bench.client import sse_data_lines
+
+    stream = b'data: {"a": 1}\n\n: comment\nevent: x\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
+    for size in (1, 2, 3, 7, len(stream)):
+        buffer = bytearray()
+        got: list[str] = []
+        for i in range(0, len(stream), size):
+            got += sse_data_lines(buffer, stream[i : i + size])
+        assert got == ['{"a": 1}', '{"b": 2}', "[DONE]"], size
+        assert not buffer
