@@ -21,6 +21,7 @@ commands:
   train-draft  distil a small draft model from a target model
   bench serve  load-test any OpenAI-compatible server (see `stoker bench serve --help`)
   bench offline  offline throughput: stoker vs transformers (vs vLLM-CPU)
+  eval         compare a live deployment with a reference run, token by token
   api | tokenizer | scheduler | worker   run one service process on its own
 """
 
@@ -66,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.training.train_draft import main as train_draft_main
 
         return train_draft_main(rest)
+    if command == "eval":
+        from services.eval.run import main as eval_main
+
+        return eval_main(rest)
     if command == "bench" and rest and rest[0] in ("serve", "offline"):
         module = importlib.import_module(f"services.bench.{rest[0]}")
         return module.main(rest[1:])

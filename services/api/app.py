@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import signal
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -34,6 +35,7 @@ from services.api.guard import ApiKeyMiddleware
 from services.api.openapi import openapi_document
 from services.api.protocol import DEFAULT_LIMITS, ApiError, Limits
 from services.api.responses import Accumulator, Formatter
+from services.api.tokenize_routes import TokenIdStrings, TokenizerEndpoints
 from services.api.tokens import TokenStrings
 
 log = logging.getLogger("stoker.api")
@@ -47,6 +49,7 @@ class ApiConfig:
     api_key: str | None = None  # None: no authentication
     protect_metrics: bool = False  # /metrics needs the key too
     request_timeout_s: float | None = None  # None: no deadline
+    model_path: str | None = None  # the model folder, for /tokenize (None: from --model)
 
 
 class _Json(Response):
@@ -137,6 +140,11 @@ class Api:
         self._openapi = msgspec.json.encode(
             openapi_document(config.limits, secured=config.api_key is not None)
         )
+        self.tokens = TokenizerEndpoints(
+            config.model_path or _model_argument(),
+            config.served_model_name,
+            lambda: self.client.stats.max_model_len if self.client.stats else None,
+        )
 
     async def drain(self, timeout_s: float) -> None:
         """Stop admitting, let what is in flight finish for up to timeout_s, then end the rest
@@ -173,7 +181,9 @@ class Api:
             req = protocol.decode(body, protocol.CompletionRequest)
             gen = protocol.completion_generation(req, limits)
         else:
-            gen = protocol.chat_generation(protocol.decode(body, protocol.ChatRequest), limits)
+            req = protocol.decode(body, protocol.ChatRequest)
+            gen = protocol.chat_generation(req, limits)
+        strings: Any = TokenIdStrings() if req.return_tokens_as_token_ids else self.strings
         name = self.config.served_model_name
         if gen.model is not None and gen.model != name:
             raise ApiError(
@@ -186,7 +196,7 @@ class Api:
         subs = gen.sub_requests(req_id, time.time())
         ids = [s.req_id for s in subs]
         acc = Accumulator(req_id, gen.n)
-        fmt = Formatter(kind, req_id, name, self.strings, gen.params.logprobs is not None)
+        fmt = Formatter(kind, req_id, name, strings, gen.params.logprobs is not None)
         queue = await self.client.submit(subs)
         timer = self._deadline(ids)
         streaming = False
@@ -302,6 +312,30 @@ class Api:
     async def openapi(self, request: Request) -> Response:
         return Response(self._openapi, media_type="application/json")
 
+    async def tokenize(self, request: Request) -> Response:
+        return _Json(await self.tokens.tokenize(await self._small_body(request)))
+
+    async def detokenize(self, request: Request) -> Response:
+        return _Json(await self.tokens.detokenize(await self._small_body(request)))
+
+    async def _small_body(self, request: Request) -> bytes:
+        try:
+            return await _read_body(request, self.config.max_request_bytes)
+        except ClientDisconnect:
+            raise ApiError("the client went away", status=499) from None
+
+
+def _model_argument() -> str | None:
+    """The api's own --model, while services/api/__main__.py does not pass ApiConfig.model_path:
+    the same argument the tokenizer processes get, so both load the same tokenizer."""
+    argv = sys.argv[1:]
+    for i, arg in enumerate(argv):
+        if arg == "--model" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--model="):
+            return arg.split("=", 1)[1]
+    return None
+
 
 def _error_param(message: str, kind: str) -> str:
     """Best guess at which parameter a tokenizer/scheduler rejection is about."""
@@ -360,6 +394,8 @@ def build_app(client: EngineClient, config: ApiConfig, strings: TokenStrings) ->
         Route("/metrics", api.metrics, methods=["GET"]),
         Route("/debug/state", api.debug_state, methods=["GET"]),
         Route("/openapi.json", api.openapi, methods=["GET"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
     ]
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _server_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)

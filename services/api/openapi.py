@@ -7,7 +7,14 @@ from typing import Any
 
 import msgspec
 
-from services.api.protocol import ChatRequest, CompletionRequest, Limits
+from services.api.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Limits,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 
 _ERROR = {
     "type": "object",
@@ -58,6 +65,40 @@ def _generate_op(name: str, summary: str) -> dict[str, Any]:
     }
 
 
+def _post_op(body: dict[str, Any], summary: str, response: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": {
+                "200": {"description": "ok", "content": {"application/json": {"schema": response}}},
+                **_errors(400, 401, 404, 413),
+            },
+        }
+    }
+
+
+_TOKENIZE_RESPONSE = {
+    "type": "object",
+    "required": ["count", "max_model_len", "tokens"],
+    "properties": {
+        "count": {"type": "integer"},
+        "max_model_len": {"type": ["integer", "null"]},
+        "tokens": _IDS,
+        "token_strs": {"type": "array", "items": {"type": "string"}},
+    },
+}
+_DETOKENIZE_RESPONSE = {
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {"prompt": {"type": "string"}},
+}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
 def _get_op(summary: str, *errors: int) -> dict[str, Any]:
     responses = {"200": {"description": "ok"}, **_errors(*errors)}
     return {"get": {"summary": summary, "responses": responses}}
@@ -65,7 +106,14 @@ def _get_op(summary: str, *errors: int) -> dict[str, Any]:
 
 def openapi_document(limits: Limits, secured: bool) -> dict[str, Any]:
     _, components = msgspec.json.schema_components(
-        [CompletionRequest, ChatRequest], ref_template="#/components/schemas/{name}"
+        [
+            CompletionRequest,
+            ChatRequest,
+            TokenizeCompletionRequest,
+            TokenizeChatRequest,
+            DetokenizeRequest,
+        ],
+        ref_template="#/components/schemas/{name}",
     )
     components["CompletionRequest"]["properties"]["prompt"] = _PROMPT
     for name in ("CompletionRequest", "ChatRequest"):  # the server's own bound, not int64's
@@ -81,6 +129,14 @@ def openapi_document(limits: Limits, secured: bool) -> dict[str, Any]:
             "/health": _get_op("200 when every process is up and the engine makes progress", 503),
             "/metrics": _get_op("Prometheus metrics", 401),
             "/debug/state": _get_op("the scheduler's latest numbers", 401),
+            "/tokenize": _post_op(
+                {"anyOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]},
+                "the ids a prompt (or messages, through the chat template) is served with",
+                _TOKENIZE_RESPONSE,
+            ),
+            "/detokenize": _post_op(
+                _ref("DetokenizeRequest"), "token ids -> text", _DETOKENIZE_RESPONSE
+            ),
         },
         "components": {"schemas": components},
     }

@@ -95,6 +95,8 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool = True
     logit_bias: dict[str, Float] | None = None  # OpenAI: token id (as a string) -> bias
     user: str | None = None
+    # vLLM's: logprobs name tokens "token_id:N", so a client (stoker eval) gets exact ids.
+    return_tokens_as_token_ids: bool = False
 
 
 class CompletionRequest(_Common):
@@ -121,6 +123,27 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool = True
+
+
+# /tokenize and /detokenize, in vLLM's shapes. A body with `messages` is a chat request.
+class TokenizeCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    messages: list[ChatMessageIn]
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the template writes the special tokens
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 @dataclasses.dataclass
@@ -169,7 +192,7 @@ _PATH_RE = re.compile(r"at `\$\.(\w+)")  # "... - at `$.messages[0]`": the top-l
 _FIELD_RE = re.compile(r"field `(\w+)`")  # "Object contains unknown field `foo`"
 
 
-def decode(body: bytes, cls: type[_Common]) -> Any:
+def decode(body: bytes, cls: type[msgspec.Struct]) -> Any:
     if not body.strip():
         raise ApiError("the request body is empty; expected a JSON object")
     try:
@@ -312,11 +335,12 @@ def _completion_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
     )
 
 
-def chat_generation(req: ChatRequest, limits: Limits = DEFAULT_LIMITS) -> Generation:
-    if not req.messages:
+def chat_messages(given: list[ChatMessageIn]) -> list[ChatMessage]:
+    """Messages as the chat template sees them: text parts joined, no content as ""."""
+    if not given:
         raise ApiError("messages must not be empty", param="messages")
     messages = []
-    for m in req.messages:
+    for m in given:
         if isinstance(m.content, list):
             if any(p.type != "text" or p.text is None for p in m.content):
                 raise ApiError("only text content parts are supported", param="messages")
@@ -324,6 +348,11 @@ def chat_generation(req: ChatRequest, limits: Limits = DEFAULT_LIMITS) -> Genera
         else:
             content = m.content or ""
         messages.append(ChatMessage(m.role, content))
+    return messages
+
+
+def chat_generation(req: ChatRequest, limits: Limits = DEFAULT_LIMITS) -> Generation:
+    messages = chat_messages(req.messages)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError("top_logprobs requires logprobs to be true", param="top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= limits.max_top_logprobs:

@@ -1,0 +1,51 @@
+"""Prompt -> token ids: the one function the tokenizer processes and the api's /tokenize share.
+
+A plain prompt is `tokenizer.encode(prompt)` (the tokenizer's own special tokens, e.g. a BOS);
+chat messages go through the model's chat template with `tokenize=True`, which adds no special
+tokens beyond what the template writes. `/tokenize` exists to show exactly what a request gets,
+so it must not carry a second copy of this logic that could drift from the request path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def prompt_token_ids(
+    tokenizer: Any,
+    *,
+    prompt: str | None = None,
+    messages: Sequence[dict[str, str]] | None = None,
+    add_generation_prompt: bool = True,
+    add_special_tokens: bool | None = None,
+) -> list[int]:
+    """The ids a request with this prompt (or these messages) is served with.
+
+    add_special_tokens=None is what requests get: True for a prompt, none beyond the template
+    for messages. True for messages renders the template to text and encodes that with the
+    tokenizer's special tokens, as vLLM's /tokenize does (it may double a BOS: on purpose, so
+    a client can see that it would)."""
+    if messages is not None:
+        if add_special_tokens:
+            text = tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+            return list(tokenizer.encode(text, add_special_tokens=True))
+        out = tokenizer.apply_chat_template(
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+        )
+        # transformers 5 may hand back a BatchEncoding or a nested list: flatten to ids.
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        if out and isinstance(out[0], list):
+            out = out[0]
+        return [int(t) for t in out]
+    if prompt is None:
+        raise ValueError("the request has no prompt")
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens is not False))
