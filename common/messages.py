@@ -122,6 +122,7 @@ class TokenizeRequest(msgspec.Struct, array_like=True, tag="tokenize"):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     arrival_time: float = 0.0  # time.time() at the api, for queue/TTFT metrics
+    return_prompt_ids: bool = False  # --log-requests: send the prompt ids in the first delta
 
 
 class GenerateRequest(msgspec.Struct, array_like=True, gc=False, tag="generate"):
@@ -153,6 +154,10 @@ class RequestTokens(msgspec.Struct, array_like=True, gc=False):
     queue_s: float = 0.0  # time from arrival to first schedule, set on the first message
     error: str | None = None  # the scheduler rejected the request (finish_reason "abort")
     error_status: int = 400  # 503: the engine lost it (the client may retry)
+    # Speculation for this request so far (cumulative; 0 when it never speculated). On every
+    # message, not only the last: a stop string ends the request at a non-final one.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class TokenBatch(msgspec.Struct, array_like=True, gc=False, tag="tokens"):
@@ -172,6 +177,9 @@ class TextDelta(msgspec.Struct, array_like=True, gc=False):
     queue_s: float = 0.0
     error: str | None = None  # request rejected (e.g. prompt too long): 400 with this message
     error_status: int = 400  # 503 when the server lost the request (its tokenizer died)
+    num_draft_tokens: int = 0  # cumulative, as in RequestTokens
+    num_accepted_tokens: int = 0
+    prompt_token_ids: TokenIds | None = None  # first delta, when TokenizeRequest asked for them
 
 
 class TextBatch(msgspec.Struct, array_like=True, gc=False, tag="text"):

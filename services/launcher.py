@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from common.addresses import Addresses, private_dir
-from services.api.__main__ import add_safety_args
+from services.api.__main__ import add_request_log_args, add_safety_args
 from services.engine_args import add_engine_args, engine_args_to_argv
 
 HEALTH_TIMEOUT_S = 300.0
@@ -63,6 +63,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--run-dir", default=None, help="where ipc sockets live (default: a private temp dir)"
     )
     add_safety_args(parser)
+    add_request_log_args(parser)
     add_engine_args(parser)
     return parser
 
@@ -89,6 +90,12 @@ def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         api += ["--request-timeout-s", str(args.request_timeout_s)]
     if args.protect_metrics:
         api.append("--protect-metrics")
+    if args.log_requests:
+        api += ["--log-requests", os.path.abspath(args.log_requests)]
+        api += ["--log-requests-max-bytes", str(args.log_requests_max_bytes)]
+        api += ["--log-requests-max-files", str(args.log_requests_max_files)]
+        if args.log_requests_text:
+            api.append("--log-requests-text")
     if args.served_model_name:
         api += ["--served-model-name", args.served_model_name]
     if args.max_model_len:

@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--log-level", default=os.environ.get("STOKER_LOG_LEVEL", "INFO"))
     add_safety_args(parser)
+    add_request_log_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
 
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     from services.api.app import ApiConfig, build_app
     from services.api.engine_client import EngineClient
     from services.api.protocol import Limits
+    from services.api.request_log import RequestLog
     from services.api.server import DrainingServer
     from services.api.tokens import TokenStrings
 
@@ -45,11 +47,21 @@ def main(argv: list[str] | None = None) -> None:
         protect_metrics=args.protect_metrics,
         request_timeout_s=args.request_timeout_s,
     )
+    request_log = None
+    if args.log_requests:
+        request_log = RequestLog(
+            args.log_requests,
+            name,
+            with_text=args.log_requests_text,
+            max_bytes=args.log_requests_max_bytes,
+            max_files=args.log_requests_max_files,
+        )
     client = EngineClient(
         Addresses.from_env(),
         args.num_tokenizers,
         max_queued_requests=args.max_queued_requests,
         engine_lost_s=args.step_timeout_s,
+        request_log=request_log,
     )
     app = build_app(client, config, TokenStrings(str(resolve_model(args.model))))
     uv_config = uvicorn.Config(
@@ -97,6 +109,36 @@ def add_safety_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=60.0,
         help="an engine step (or the scheduler's stats) silent this long means the engine failed",
+    )
+
+
+def add_request_log_args(parser: argparse.ArgumentParser) -> None:
+    """The token-ID request log (docs/observability.md); `stoker serve` passes these on."""
+    from services.api.request_log import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILES
+
+    g = parser.add_argument_group("request log (docs/observability.md)")
+    g.add_argument(
+        "--log-requests",
+        metavar="DIR",
+        default=None,
+        help="write one JSON line per finished choice (token ids, timings) to DIR",
+    )
+    g.add_argument(
+        "--log-requests-text",
+        action="store_true",
+        help="also log prompt and output text (left out by default)",
+    )
+    g.add_argument(
+        "--log-requests-max-bytes",
+        type=int,
+        default=DEFAULT_MAX_BYTES,
+        help=f"start a new file past this size (default {DEFAULT_MAX_BYTES >> 20} MiB)",
+    )
+    g.add_argument(
+        "--log-requests-max-files",
+        type=int,
+        default=DEFAULT_MAX_FILES,
+        help=f"files kept in DIR; the oldest is deleted (default {DEFAULT_MAX_FILES})",
     )
 
 

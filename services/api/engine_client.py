@@ -33,6 +33,7 @@ from common.messages import (
 )
 from services.api.metrics import EngineSnapshot, Metrics
 from services.api.protocol import ApiError
+from services.api.request_log import ChoiceLog, RequestLog
 
 log = logging.getLogger("stoker.api")
 STALE_S = 2.0  # a tokenizer or scheduler silent for longer is unhealthy
@@ -54,6 +55,7 @@ class _Track:
     tokenizer: str = ""  # the tokenizer it was sent to, and that process's pid then
     tokenizer_pid: int = 0
     waiting: bool = True  # no token yet: counts against --max-queued-requests
+    log: ChoiceLog | None = None  # --log-requests
 
 
 @dataclasses.dataclass
@@ -71,6 +73,7 @@ class EngineClient:
         num_tokenizers: int,
         max_queued_requests: int = 1024,
         engine_lost_s: float = 30.0,
+        request_log: RequestLog | None = None,
     ) -> None:
         self.addresses = addresses
         self.num_tokenizers = num_tokenizers
@@ -81,6 +84,9 @@ class EngineClient:
         self.engine_error: str | None = None  # set while the engine is known to be down
         self.num_waiting = 0  # sub-requests with no token yet, in O(1)
         self.metrics = Metrics(self.snapshot)
+        self.request_log = request_log
+        if request_log is not None:
+            self.metrics.registry.register(request_log.collector())
         self.stats: SchedulerStats | None = None
         self.stats_time = 0.0
         self.tokenizers: dict[str, _Tokenizer] = {}
@@ -120,6 +126,8 @@ class EngineClient:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._ctx.destroy(linger=0)
+        if self.request_log is not None:
+            await asyncio.to_thread(self.request_log.close)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -145,6 +153,9 @@ class EngineClient:
         queue: asyncio.Queue[TextDelta] = asyncio.Queue()
         now = time.monotonic()
         tracks = [_Track(queue, now) for _ in requests]
+        if self.request_log is not None:
+            for r, track in zip(requests, tracks):
+                track.log = self.request_log.start(r)
         for r, track in zip(requests, tracks):  # registered first: a delta may beat the send
             self._tracks[r.req_id] = track
         self.num_waiting += len(tracks)
@@ -177,7 +188,18 @@ class EngineClient:
         track = self._tracks.pop(req_id, None)
         if track is not None and track.waiting:
             self.num_waiting -= 1
+        if track is not None and track.log is not None:
+            self._log_ended(track, track.log)
         return track
+
+    def _log_ended(self, track: _Track, c: ChoiceLog) -> None:
+        """The choice ended (finished, failed, or released while running: an abort)."""
+        assert self.request_log is not None
+        c.tokenizer_id = track.tokenizer
+        c.e2e_s = time.monotonic() - track.arrival  # called as the last delta is dispatched
+        if track.first is not None:
+            c.ttft_s = track.first - track.arrival
+        self.request_log.finish(c)
 
     def release(self, req_ids: list[str]) -> None:
         """The handler is done with these ids: abort the ones still running. Never blocks, so
@@ -193,11 +215,13 @@ class EngineClient:
         upstream. Their handlers answer the status (or an SSE error event, then [DONE])."""
         ids = list(self._tracks) if req_ids is None else [i for i in req_ids if i in self._tracks]
         for req_id in ids:
-            self._tracks[req_id].queue.put_nowait(
-                TextDelta(
-                    req_id, "", b"", finish_reason="abort", error=message, error_status=status
-                )
+            delta = TextDelta(
+                req_id, "", b"", finish_reason="abort", error=message, error_status=status
             )
+            track = self._tracks[req_id]
+            track.queue.put_nowait(delta)
+            if track.log is not None:
+                track.log.add(delta)
         if ids:
             self.metrics.request_success.labels("abort").inc(len(ids))
             # As a client that went away: the scheduler may hold them, or get them later from a
@@ -335,6 +359,8 @@ class EngineClient:
                         del self._aborted[d.req_id]
                 continue
             track.queue.put_nowait(d)
+            if track.log is not None:
+                track.log.add(d)
             if d.error is not None:
                 self._untrack(d.req_id)
                 continue
@@ -405,6 +431,13 @@ class EngineClient:
             "api_inflight": len(self._tracks),
             "api_waiting": self.num_waiting,
             "engine_error": self.engine_error,
+            "request_log": None
+            if self.request_log is None
+            else {
+                "written": self.request_log.writer.written,
+                "dropped": self.request_log.writer.dropped,
+                "failed": self.request_log.writer.failed,
+            },
         }
 
 

@@ -40,6 +40,8 @@ class Request:
         "spec_inflight",
         "spec_ema",
         "ngram_index",
+        "num_draft_tokens",
+        "num_accepted_tokens",
     )
 
     def __init__(
@@ -72,6 +74,8 @@ class Request:
         self.spec_inflight = -1  # drafts in the verify step in flight; -1: no verify in flight
         self.spec_ema: float | None = None  # accepted drafts per verify (EMA); None: no verify yet
         self.ngram_index = None
+        self.num_draft_tokens = 0  # speculative tokens proposed for it, over all its verifies
+        self.num_accepted_tokens = 0  # of those, accepted
 
     @property
     def num_tokens(self) -> int:

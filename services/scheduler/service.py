@@ -379,6 +379,9 @@ class SchedulerService:
                 item.num_cached_tokens = max(request.num_cached_tokens, 0)
                 if request.first_scheduled_time is not None:
                     item.queue_s = request.first_scheduled_time - request.arrival_time
+            if update.request.num_draft_tokens:  # per request, for the token-ID request log
+                item.num_draft_tokens = update.request.num_draft_tokens
+                item.num_accepted_tokens = update.request.num_accepted_tokens
             if reason is not None:
                 del self.owners[update.req_id]
             batches[owner.routing_id].append(item)

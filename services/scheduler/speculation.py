@@ -106,6 +106,8 @@ class SpecPolicy:
         s.accepted_tokens += num_accepted
         for j in range(num_accepted):
             s.accepted_per_position[j] += 1
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += num_accepted
         previous = self.max_k if request.spec_ema is None else request.spec_ema
         ema = EMA_WEIGHT * num_accepted + (1 - EMA_WEIGHT) * previous
         # All accepted: the request could have taken more, so offer one more next time.

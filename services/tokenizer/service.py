@@ -57,6 +57,7 @@ class _Request:
     detok: IncrementalDetokenizer
     params: SamplingParams
     stop_ids: frozenset[int]  # token ids whose generation ends the request with "stop"
+    prompt_ids: bytes | None = None  # for the api's request log, until the first delta takes it
 
 
 class TokenizerService:
@@ -112,13 +113,15 @@ class TokenizerService:
         except Exception as e:  # any tokenizer/template failure is the request's fault
             return TextDelta(req.req_id, "", b"", error=str(e) or type(e).__name__)
         eos = frozenset() if req.params.ignore_eos else self.eos_ids
+        packed = pack_ids(ids)
         self.requests[req.req_id] = _Request(
             IncrementalDetokenizer(self.tokenizer, ids, req.params),
             req.params,
             eos | frozenset(req.params.stop_token_ids),
+            packed if req.return_prompt_ids else None,
         )
         self.num_served += 1
-        return GenerateRequest(req.req_id, pack_ids(ids), req.params, req.arrival_time)
+        return GenerateRequest(req.req_id, packed, req.params, req.arrival_time)
 
     def detokenize(self, batch: TokenBatch) -> tuple[list[TextDelta], list[str]]:
         """Text deltas for the api, and ids whose stop string matched (to abort upstream)."""
@@ -144,6 +147,7 @@ class TokenizerService:
         return deltas, stopped
 
     def _detokenize_one(self, state: _Request, item: RequestTokens) -> TextDelta:
+        prompt_ids, state.prompt_ids = state.prompt_ids, None
         ids = unpack_ids(item.token_ids)
         ids = text_token_ids(
             ids, item.finish_reason, state.stop_ids, state.params.include_stop_str_in_output
@@ -164,6 +168,9 @@ class TokenizerService:
             queue_s=item.queue_s,
             error=item.error,  # the scheduler rejected it (400) or lost it (503)
             error_status=item.error_status,
+            num_draft_tokens=item.num_draft_tokens,
+            num_accepted_tokens=item.num_accepted_tokens,
+            prompt_token_ids=prompt_ids,
         )
 
     # -- IO shell -------------------------------------------------------------------------------
