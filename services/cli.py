@@ -22,6 +22,7 @@ commands:
   bench serve  load-test any OpenAI-compatible server (see `stoker bench serve --help`)
   bench offline  offline throughput: stoker vs transformers (vs vLLM-CPU)
   eval         compare a live deployment with a reference run, token by token
+  replay       re-send a --log-requests log's greedy requests by token id; report diffs
   api | tokenizer | scheduler | worker   run one service process on its own
 """
 
@@ -67,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.training.train_draft import main as train_draft_main
 
         return train_draft_main(rest)
+    if command == "replay":
+        from services.replay import main as replay_main
+
+        return replay_main(rest)
     if command == "eval":
         from services.eval.run import main as eval_main
 
