@@ -58,7 +58,10 @@ class Report:
         return all(p.passed for p in self.prompts) and not self.odd_ones_out
 
     def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "passed": self.passed}
+        out = dataclasses.asdict(self)
+        for entry, prompt in zip(out["prompts"], self.prompts):
+            entry["passed"] = prompt.passed
+        return {**out, "passed": self.passed}
 
 
 def against_reference(
@@ -156,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="stoker eval",
         description="Compare a live deployment with a reference run, token by token.",
         epilog=HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--base-url", help="the deployment, e.g. http://127.0.0.1:8000")
     parser.add_argument(
@@ -169,8 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--json", metavar="OUT", help="also write the report as JSON")
-    parser.add_argument("--logprob-atol", type=float, default=DEFAULT.logprob_atol)
-    parser.add_argument("--tie-margin", type=float, default=DEFAULT.tie_margin)
+    parser.add_argument(
+        "--logprob-atol",
+        type=float,
+        default=DEFAULT.logprob_atol,
+        help="largest |Δ logprob| of a chosen token allowed (default %(default)g; bf16: ~0.1)",
+    )
+    parser.add_argument(
+        "--tie-margin",
+        type=float,
+        default=DEFAULT.tie_margin,
+        help="nats within which a greedy divergence counts as a tie (default %(default)g)",
+    )
     parser.add_argument(
         "--api-key", default=os.environ.get("STOKER_API_KEY"), help="env STOKER_API_KEY"
     )
