@@ -24,16 +24,43 @@ prompt computed once. Steps run in plan order, so a later step may read a block 
 earlier one; but the step being planned must not read a block that it computes itself. Blocks
 keyed since `begin_step()` are "fresh": a lookup stops at one and says so, so the scheduler
 can let that request wait one step and then take the block as a hit (docs/kv-cache.md).
+
+KV events (docs/kv-events.md). With `record_events`, the manager keeps a log of what enters and
+leaves the prefix cache, for routers that track each replica's cache: `BlocksStored` when full
+blocks are keyed (a chain, named by their registration ids), `BlocksRemoved` when they are
+evicted, `AllBlocksCleared` for a new pool or a reset. Registration ids serve as the published
+block hashes: unique for the pool's life, so stored and removed events always pair up exactly.
+Disabled, the only cost is one `is None` check where a block is keyed or evicted.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from typing import NamedTuple
 
 _ROOT = 0  # parent registration id of a sequence's first block; real ids start at 1
 
 CacheKey = tuple[int, tuple[int, ...]]
+
+
+class BlocksStored(NamedTuple):
+    """Full blocks entered the prefix cache: a chain, each the parent of the next."""
+
+    block_hashes: list[int]  # registration ids
+    parent_block_hash: int | None  # the first block's parent; None at the root
+    token_ids: list[int]  # block_size per block, in order
+
+
+class BlocksRemoved(NamedTuple):
+    block_hashes: list[int]
+
+
+class AllBlocksCleared(NamedTuple):
+    pass
+
+
+KVEvent = BlocksStored | BlocksRemoved | AllBlocksCleared
 
 
 class _Seq:
@@ -47,7 +74,11 @@ class _Seq:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        record_events: bool = False,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
@@ -63,6 +94,8 @@ class BlockManager:
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pops 0, 1, 2, ...
         self._seqs: dict[Hashable, _Seq] = {}
         self._fresh: set[int] = set()  # keyed since begin_step(): computed by the step planned
+        # None when not recording. A new pool starts empty: subscribers drop an old pool's blocks.
+        self._events: list[KVEvent] | None = [AllBlocksCleared()] if record_events else None
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -80,6 +113,20 @@ class BlockManager:
 
     def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
         return len(self._match(token_ids)) * self.block_size
+
+    def cached_blocks(self) -> dict[int, tuple[int | None, tuple[int, ...]]]:
+        """Every block in the prefix cache, as the events name it: hash -> (parent hash, tokens).
+        What a subscriber's replay of the events must equal."""
+        reg = self._reg
+        return {reg[b]: (key[0] or None, key[1]) for key, b in self._cached.items()}
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first (empty when not recording)."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
 
     def check_prompt(self, num_prompt_tokens: int) -> None:
         """ValueError unless a prompt and one generated token fit in the whole pool: a request
@@ -133,6 +180,8 @@ class BlockManager:
                 b = self._free.pop()
             else:  # evict the least recently freed cached block
                 b, _ = self._lru.popitem(last=False)
+                if self._events is not None:
+                    self._record_removed(self._reg[b])
                 self._unregister(b)
             self._ref[b] = 1
             new.append(b)
@@ -153,6 +202,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         parent = seq.parent
+        events = self._events
+        run_start, run_parent = -1, _ROOT  # a run of newly keyed blocks: one BlocksStored
         for i in range(seq.num_hashed, n_full):
             key = (parent, tuple(token_ids[i * bs : (i + 1) * bs]))
             b = seq.blocks[i]
@@ -166,9 +217,16 @@ class BlockManager:
                 self._next_reg += 1
                 self._cached[key] = b
                 self._fresh.add(b)
+                if events is not None and run_start < 0:
+                    run_start, run_parent = i, parent
+            elif events is not None and run_start >= 0:  # the run of new blocks ends here
+                self._record_stored(seq, token_ids, run_start, i, run_parent)
+                run_start = -1
             # else: identical content is already cached (maybe b itself); if it is another
             # block, keep that mapping and leave b unkeyed; children chain off the canonical one.
             parent = self._reg[canon]
+        if run_start >= 0:
+            self._record_stored(seq, token_ids, run_start, n_full, run_parent)
         seq.num_hashed, seq.parent = n_full, parent
 
     def free(self, seq_id: Hashable) -> None:
@@ -184,7 +242,38 @@ class BlockManager:
                 else:
                     self._free.append(b)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache); False, changing nothing, while
+        any sequence holds blocks."""
+        if self._seqs:
+            return False
+        for b in self._lru:
+            self._unregister(b)
+            self._free.append(b)
+        self._lru.clear()
+        self._fresh.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+        return True
+
     # ---- internals -----------------------------------------------------------------------------
+
+    def _record_stored(
+        self, seq: _Seq, token_ids: Sequence[int], start: int, end: int, parent: int
+    ) -> None:
+        assert self._events is not None
+        bs, reg = self.block_size, self._reg
+        hashes = [reg[seq.blocks[i]] for i in range(start, end)]
+        tokens = list(token_ids[start * bs : end * bs])
+        self._events.append(BlocksStored(hashes, parent if parent != _ROOT else None, tokens))
+
+    def _record_removed(self, reg_id: int) -> None:
+        assert self._events is not None
+        last = self._events[-1] if self._events else None
+        if isinstance(last, BlocksRemoved):  # evictions of one allocation share an event
+            last.block_hashes.append(reg_id)
+        else:
+            self._events.append(BlocksRemoved([reg_id]))
 
     def _match(self, token_ids: Sequence[int]) -> list[int]:
         """Longest chain of cached full blocks matching a prefix of token_ids (no refs taken)."""

@@ -11,7 +11,12 @@ from hypothesis.stateful import (
     rule,
 )
 
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.block_manager import (
+    AllBlocksCleared,
+    BlockManager,
+    BlocksRemoved,
+    BlocksStored,
+)
 
 BS = 4
 
@@ -277,3 +282,100 @@ BlockManagerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_block_manager_state_machine = BlockManagerMachine.TestCase
+
+
+# ---- KV events -----------------------------------------------------------------------------------
+
+
+def replay(events, index: dict[int, tuple[int | None, tuple[int, ...]]], bs: int) -> None:
+    """Apply events as a router's subscriber does: hash -> (parent hash, the block's tokens)."""
+    for e in events:
+        if isinstance(e, BlocksStored):
+            assert len(e.token_ids) == bs * len(e.block_hashes)
+            parent = e.parent_block_hash
+            for i, h in enumerate(e.block_hashes):
+                assert h not in index, f"block {h} stored twice"
+                index[h] = (parent, tuple(e.token_ids[i * bs : (i + 1) * bs]))
+                parent = h
+        elif isinstance(e, BlocksRemoved):
+            for h in e.block_hashes:
+                del index[h]  # KeyError: removed a block never stored
+        else:
+            assert isinstance(e, AllBlocksCleared)
+            index.clear()
+
+
+def test_events_disabled_record_nothing() -> None:
+    bm = BlockManager(4, BS)
+    run_prompt(bm, "a", list(range(9)))
+    assert bm._events is None and bm.take_events() == []
+
+
+def test_events_chain_store_and_evict() -> None:
+    bm = BlockManager(4, BS, record_events=True)
+    assert bm.take_events() == [AllBlocksCleared()]  # a new pool: subscribers start afresh
+    run_prompt(bm, "a", list(range(9)))  # 2 full blocks keyed, the third partial
+    (stored,) = bm.take_events()
+    assert stored.parent_block_hash is None and stored.token_ids == list(range(8))
+    h1, h2 = stored.block_hashes
+    assert bm.cached_blocks() == {h1: (None, (0, 1, 2, 3)), h2: (h1, (4, 5, 6, 7))}
+    bm.free("a")
+    assert bm.take_events() == []  # freed blocks stay cached
+    # Shares block 1, then diverges: only the new block is stored, chained off h1.
+    run_prompt(bm, "b", [0, 1, 2, 3, 9, 9, 9, 9, 5])
+    (stored,) = bm.take_events()
+    assert stored.parent_block_hash == h1 and stored.token_ids == [9, 9, 9, 9]
+    (hb,) = stored.block_hashes
+    bm.free("b")
+    # Needs the whole pool: evicts the 3 cached blocks, least recently freed first, in one
+    # event, then stores its own 4 (as one chain).
+    run_prompt(bm, "c", [7] * 16)
+    removed, stored = bm.take_events()
+    assert removed == BlocksRemoved([h2, hb, h1])
+    assert stored.parent_block_hash is None and len(stored.block_hashes) == 4
+    assert not {h1, h2, hb} & set(stored.block_hashes)  # ids are never reused
+    assert bm.cached_blocks() == {
+        h: (p, (7,) * 4) for h, p in zip(stored.block_hashes, [None, *stored.block_hashes])
+    }
+
+
+def test_events_reset_prefix_cache() -> None:
+    bm = BlockManager(8, BS, record_events=True)
+    run_prompt(bm, "a", list(range(9)))
+    assert not bm.reset_prefix_cache()  # a sequence holds blocks
+    bm.free("a")
+    bm.take_events()
+    assert bm.reset_prefix_cache()
+    assert bm.take_events() == [AllBlocksCleared()] and bm.cached_blocks() == {}
+    assert bm.num_free_blocks() == 8 and bm.num_cached_tokens(list(range(9))) == 0
+    bm.check_invariants()
+
+
+class EventsMachine(BlockManagerMachine):
+    """The same random workloads with events on: replaying them always gives exactly the
+    manager's prefix cache (hashes, parent links and token ids), through evictions."""
+
+    @initialize(
+        num_blocks=st.integers(2, 24),
+        block_size=st.sampled_from([1, 2, 4]),
+        caching=st.booleans(),
+    )
+    def setup(self, num_blocks: int, block_size: int, caching: bool) -> None:
+        super().setup.__wrapped__(self, num_blocks, block_size, caching)  # type: ignore[attr-defined]
+        self.bm = BlockManager(num_blocks, block_size, caching, record_events=True)
+        self.index: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+
+    @rule()
+    def reset(self) -> None:
+        if self.bm.reset_prefix_cache():
+            assert self.bm.cached_blocks() == {}
+
+    @invariant()
+    def replays_to_cache(self) -> None:
+        if hasattr(self, "bm"):
+            replay(self.bm.take_events(), self.index, self.bs)
+            assert self.index == self.bm.cached_blocks()
+
+
+EventsMachine.TestCase.settings = BlockManagerMachine.TestCase.settings
+test_block_manager_events_state_machine = EventsMachine.TestCase
