@@ -45,6 +45,9 @@ class EngineConfig:
     # Adaptive speculation turns off for a step with more decoding requests than this: past it,
     # a verify step costs more than the tokens it saves (measured: docs/benchmarks.md).
     speculative_max_batch: int = 8
+    # KV-cache events for cache-aware routers (docs/kv-events.md): vLLM's KVEventsConfig as a
+    # JSON object, read by the scheduler; None publishes nothing.
+    kv_events_config: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

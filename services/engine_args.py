@@ -58,10 +58,29 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--speculative-max-batch", type=int, default=d.speculative_max_batch)
     g.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        metavar="JSON",
+        help='publish KV-cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
+        '"endpoint": "tcp://*:5557", "topic": "kv"}\' (docs/kv-events.md)',
+    )
+    g.add_argument(
         "--null-model",
         action="store_true",
         help="no model compute: measure the host pipeline alone (tokenizer from --model)",
     )
+
+
+def _kv_events_config(text: str) -> str:
+    """Checked here so that `stoker serve` refuses a bad config before starting anything."""
+    from services.scheduler.kv_events import KVEventsConfig
+
+    try:
+        KVEventsConfig.from_json(text)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return text
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -48,6 +48,7 @@ from common.telemetry import BusyTracker, IdleGapAccounting, StepTelemetry
 from common.validation import check_request
 from services.engine_args import add_engine_args, engine_config_from_args
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_events import make_publisher
 from services.scheduler.request import Request
 from services.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
 from services.scheduler.speculation import SpecPolicy
@@ -111,6 +112,7 @@ class SchedulerService:
         self.worker_lost = asyncio.Event()  # the worker's connection closed (it died)
         # Requests that arrive while a lost worker is replaced join the new core once it is up.
         self._pending: list[tuple[bytes, GenerateRequest]] = []
+        self.kv_events = make_publisher(config.kv_events_config)  # None: no events recorded
 
     async def run(self) -> None:
         monitor = self.plans.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -167,7 +169,10 @@ class SchedulerService:
         self.worker_ready = True
         self.max_model_len = ready.max_model_len
         self.blocks = BlockManager(
-            ready.num_blocks, ready.block_size, self.config.enable_prefix_caching
+            ready.num_blocks,
+            ready.block_size,
+            self.config.enable_prefix_caching,
+            record_events=self.kv_events is not None,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -284,6 +289,8 @@ class SchedulerService:
                 t0 = time.perf_counter()
                 plan = inflight.popleft()
                 self._publish(self.scheduler.update(plan, result))
+                if self.kv_events is not None:  # once per step, after its blocks are computed
+                    self.kv_events.publish(self.blocks.take_events())
                 self._record_step(result, time.perf_counter() - t0)
                 if not self.scheduler.has_unfinished():
                     self.stats_due.set()
