@@ -28,6 +28,13 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _LATENCY_BUCKETS += (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
+# Gauges also exported under vLLM's names, which routers and autoscalers scrape: the Gateway API
+# Inference Extension's model-server protocol (TotalQueuedRequests, TotalRunningRequests,
+# KVCacheUtilization), llm-d, KEDA recipes. Same values; kv_cache_usage_perc is a 0-1 fraction
+# with evictable cached blocks counted free, as in vLLM's block pool (docs/kv-events.md).
+VLLM_ALIASES = ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc")
+
+
 @dataclass
 class EngineSnapshot:
     stats: SchedulerStats | None
@@ -51,6 +58,9 @@ class _EngineCollector(Collector):
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"stoker:{name}", doc, value=float(value or 0))
+            if name in VLLM_ALIASES:
+                alias_doc = f"{doc} Alias of stoker:{name}."
+                yield GaugeMetricFamily(f"vllm:{name}", alias_doc, value=float(value or 0))
         yield CounterMetricFamily(
             "stoker:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
