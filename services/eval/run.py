@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "--logprob-atol",
         type=float,
         default=DEFAULT.logprob_atol,
-        help="largest |Δ logprob| of a chosen token allowed (default %(default)g; bf16: ~0.1)",
+        help="largest |Δ logprob| of a chosen token allowed (default %(default)g; raise for bf16)",
     )
     parser.add_argument(
         "--tie-margin",
