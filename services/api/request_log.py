@@ -171,8 +171,8 @@ class RotatingWriter(Generic[T]):
         self.dropped = 0  # records not taken: the queue was full
         self.failed = 0  # records that could not be encoded or written
         self._queue: queue.Queue[T | None] = queue.Queue(queue_size)
-        existing = sorted(self.files())
-        self._seq = int(_FILE_RE.search(existing[-1].name).group(1)) if existing else 0  # type: ignore[union-attr]
+        # Continue after the newest file in DIR: a restart never appends to an old one.
+        self._seq = max((_seq_of(p) for p in self.files()), default=0)
         self._file = None
         self._size = 0
         self._thread = threading.Thread(target=self._run, name="request-log", daemon=True)
@@ -228,7 +228,8 @@ class RotatingWriter(Generic[T]):
         while True:  # "x": never append to a file another writer (or an earlier run) owns
             self._seq += 1
             try:
-                self._file = open(self.dir / f"{FILE_PREFIX}{self._seq:06d}.jsonl", "xb")  # noqa: SIM115
+                path = self.dir / f"{FILE_PREFIX}{self._seq:06d}.jsonl"
+                self._file = open(path, "xb")  # noqa: SIM115
                 break
             except FileExistsError:
                 continue
@@ -238,6 +239,11 @@ class RotatingWriter(Generic[T]):
                 os.unlink(old)
             except OSError:
                 log.warning("request log: could not delete %s", old)
+
+
+def _seq_of(path: Path) -> int:
+    m = _FILE_RE.fullmatch(path.name)
+    return int(m.group(1)) if m else 0
 
 
 class RequestLog:
