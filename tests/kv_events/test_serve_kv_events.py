@@ -74,17 +74,20 @@ def test_metric_aliases_and_kv_events_predict_prefix_hits(model, tmp_path) -> No
             return post_json(f"{base}/v1/completions", json.dumps(body).encode())
 
         # -- metric aliases, scraped while a long request runs (so the values are not all 0)
-        long = threading.Thread(
-            target=complete, args=([1, 2, 3], 240), kwargs={"ignore_eos": True}, daemon=True
-        )
-        long.start()
-        deadline, seen = time.monotonic() + 30, None
-        while time.monotonic() < deadline and seen is None:
-            m = _metrics(f"{base}/metrics")
-            if m.get("stoker:num_requests_running") == 1.0:
-                seen = m
-            time.sleep(0.05)
-        long.join(60)
+        seen = None
+        for _ in range(5):  # stats come every 0.25 s: catch one while the request runs
+            long = threading.Thread(
+                target=complete, args=([1, 2, 3], 240), kwargs={"ignore_eos": True}, daemon=True
+            )
+            long.start()
+            while long.is_alive() and seen is None:
+                m = _metrics(f"{base}/metrics")
+                if m.get("stoker:num_requests_running") == 1.0:
+                    seen = m
+                time.sleep(0.02)
+            long.join(60)
+            if seen is not None:
+                break
         assert seen is not None, "never saw the long request running"
         for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
             assert seen[f"vllm:{name}"] == seen[f"stoker:{name}"], name
