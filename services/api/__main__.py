@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         api_key=args.api_key or None,
         protect_metrics=args.protect_metrics,
         request_timeout_s=args.request_timeout_s,
+        model_path=str(resolve_model(args.model)),
     )
     request_log = None
     if args.log_requests:

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import logging
 import signal
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -49,7 +48,7 @@ class ApiConfig:
     api_key: str | None = None  # None: no authentication
     protect_metrics: bool = False  # /metrics needs the key too
     request_timeout_s: float | None = None  # None: no deadline
-    model_path: str | None = None  # the model folder, for /tokenize (None: from --model)
+    model_path: str | None = None  # the model folder, for /tokenize (None: /tokenize is off)
 
 
 class _Json(Response):
@@ -141,7 +140,7 @@ class Api:
             openapi_document(config.limits, secured=config.api_key is not None)
         )
         self.tokens = TokenizerEndpoints(
-            config.model_path or _model_argument(),
+            config.model_path,
             config.served_model_name,
             lambda: self.client.stats.max_model_len if self.client.stats else None,
         )
@@ -323,18 +322,6 @@ class Api:
             return await _read_body(request, self.config.max_request_bytes)
         except ClientDisconnect:
             raise ApiError("the client went away", status=499) from None
-
-
-def _model_argument() -> str | None:
-    """The api's own --model, while services/api/__main__.py does not pass ApiConfig.model_path:
-    the same argument the tokenizer processes get, so both load the same tokenizer."""
-    argv = sys.argv[1:]
-    for i, arg in enumerate(argv):
-        if arg == "--model" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--model="):
-            return arg.split("=", 1)[1]
-    return None
 
 
 def _error_param(message: str, kind: str) -> str:

@@ -43,6 +43,7 @@ from common.messages import (  # noqa: E402
 )
 from common.model_config import ModelConfig, resolve_max_model_len  # noqa: E402
 from common.model_registry import resolve_model  # noqa: E402
+from common.prompt_tokens import prompt_token_ids  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from common.tokenizer_files import load_tokenizer  # noqa: E402
 from common.validation import check_request  # noqa: E402
@@ -86,24 +87,16 @@ class TokenizerService:
     def tokenize(self, req: TokenizeRequest) -> list[int]:
         if req.prompt_token_ids is not None:
             return unpack_ids(req.prompt_token_ids)
+        messages = None
         if req.messages is not None:
-            out = self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in req.messages],
-                add_generation_prompt=req.add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
-            )
-            # transformers 5 may still hand back a BatchEncoding / nested list: flatten to ids.
-            if isinstance(out, dict) or hasattr(out, "input_ids"):
-                out = out["input_ids"]
-            if out and isinstance(out[0], list):
-                out = out[0]
-            return [int(t) for t in out]
-        if req.prompt is None:
-            raise ValueError("the request has no prompt")
-        if not req.prompt:
-            raise ValueError("the prompt is empty")
-        return self.tokenizer.encode(req.prompt)
+            messages = [{"role": m.role, "content": m.content} for m in req.messages]
+        # The same function /tokenize calls, so what it shows is what requests get.
+        return prompt_token_ids(
+            self.tokenizer,
+            prompt=req.prompt,
+            messages=messages,
+            add_generation_prompt=req.add_generation_prompt,
+        )
 
     def admit(self, req: TokenizeRequest) -> GenerateRequest | TextDelta:
         """A GenerateRequest for the scheduler, or an error delta for the api."""
