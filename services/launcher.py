@@ -41,6 +41,7 @@ class Child:
     restarts: int = 0
     backoff_s: float = 0.0
     started: float = 0.0
+    restart_at: float | None = None  # a dead tokenizer waiting out its backoff
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -146,14 +147,15 @@ def serve(args: argparse.Namespace) -> int:
             dead = [c for c in children if c.proc.poll() is not None]
             fatal = [c for c in dead if not c.name.startswith("tokenizer")]
             for c in dead:
-                print(f"stoker: {c.name} exited with code {c.proc.returncode}", file=sys.stderr)
+                if c.restart_at is None:  # said once, not on every poll of its backoff
+                    print(f"stoker: {c.name} exited with code {c.proc.returncode}", file=sys.stderr)
             if fatal:
                 if any(c.name in ENGINE for c in fatal):
                     _engine_lost(children)
                 exit_code = 1
                 break
             for c in dead:  # tokenizers: a new incarnation in the same slot
-                _restart(c, env, args.frontend_nice)
+                _restart(c, env, args.frontend_nice, time.monotonic())
             if not announced:
                 if _healthy(health):
                     announced = True
@@ -187,13 +189,17 @@ def _spawn(name: str, cmd: list[str], env: dict[str, str], nice: int) -> subproc
     return proc
 
 
-def _restart(child: Child, env: dict[str, str], nice: int) -> None:
+def _restart(child: Child, env: dict[str, str], nice: int, now: float) -> None:
     """Start a dead tokenizer again; one that keeps dying at once backs off (1, 2, 4... 30 s)
-    instead of spinning."""
-    if time.monotonic() - child.started > 30.0:
-        child.backoff_s = 0.0  # it had been running fine: restart at once
-    if child.backoff_s:
-        time.sleep(min(child.backoff_s, 30.0))
+    instead of spinning. The backoff is a deadline the main loop polls, never a sleep, so a
+    SIGTERM or an engine death meanwhile is acted on at once."""
+    if child.restart_at is None:
+        if now - child.started > 30.0:
+            child.backoff_s = 0.0  # it had been running fine: restart at once
+        child.restart_at = now + min(child.backoff_s, 30.0)
+    if now < child.restart_at:
+        return
+    child.restart_at = None
     child.restarts += 1
     child.backoff_s = RESTART_BACKOFF_S if not child.backoff_s else child.backoff_s * 2
     child.proc = _spawn(child.name, child.cmd, env, nice)
