@@ -247,7 +247,17 @@ class EngineFailure(msgspec.Struct, array_like=True, tag="engine_failure"):
     req_ids: list[str] | None = None
 
 
+class ProfileControl(msgspec.Struct, array_like=True, tag="profile"):
+    """api -> scheduler (which applies it too) -> worker on the plan socket: start or stop the
+    torch profiler (`--profile-dir`). num_steps 0: until a stop."""
+
+    action: str  # start | stop
+    num_steps: int = 0
+    record_shapes: bool = False
+    with_stack: bool = False
+
+
 ApiInbound = TextBatch | TokenizerHeartbeat | SchedulerStats
 ApiFromScheduler = SchedulerStats | EngineFailure
-SchedulerInbound = GenerateRequest | Abort
-WorkerInbound = StepPlan | SchedulerHello
+SchedulerInbound = GenerateRequest | Abort | ProfileControl
+WorkerInbound = StepPlan | SchedulerHello | ProfileControl

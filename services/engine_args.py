@@ -66,6 +66,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         '"endpoint": "tcp://*:5557", "topic": "kv"}\' (docs/kv-events.md)',
     )
     g.add_argument(
+        "--profile-dir",
+        default=None,
+        metavar="DIR",
+        help="enable POST /start_profile and /stop_profile; traces land in DIR "
+        "(docs/observability.md#profiling)",
+    )
+    g.add_argument(
         "--null-model",
         action="store_true",
         help="no model compute: measure the host pipeline alone (tokenizer from --model)",
@@ -103,4 +110,6 @@ def engine_args_to_argv(args: argparse.Namespace) -> list[str]:
             argv.append(flag if value else "--no-" + flag[2:])
         else:
             argv += [flag, str(value)]
+    if getattr(args, "profile_dir", None):  # not an EngineConfig field: the worker and
+        argv += ["--profile-dir", os.path.abspath(args.profile_dir)]  # scheduler take it apart
     return argv

@@ -97,6 +97,8 @@ def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
         api += ["--log-requests-max-files", str(args.log_requests_max_files)]
         if args.log_requests_text:
             api.append("--log-requests-text")
+    if args.profile_dir:  # the worker and scheduler get it with the engine flags
+        api += ["--profile-dir", os.path.abspath(args.profile_dir)]
     if args.served_model_name:
         api += ["--served-model-name", args.served_model_name]
     if args.max_model_len:

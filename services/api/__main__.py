@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default=os.environ.get("STOKER_LOG_LEVEL", "INFO"))
     add_safety_args(parser)
     add_request_log_args(parser)
+    parser.add_argument(
+        "--profile-dir", default=None, help="turn on POST /start_profile and /stop_profile"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
 
@@ -47,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         protect_metrics=args.protect_metrics,
         request_timeout_s=args.request_timeout_s,
         model_path=str(resolve_model(args.model)),
+        profile_dir=args.profile_dir,
     )
     request_log = None
     if args.log_requests:

@@ -27,7 +27,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from common.messages import TextDelta
+from common.messages import ProfileControl, TextDelta
 from services.api import protocol
 from services.api.engine_client import EngineClient
 from services.api.guard import ApiKeyMiddleware
@@ -49,6 +49,15 @@ class ApiConfig:
     protect_metrics: bool = False  # /metrics needs the key too
     request_timeout_s: float | None = None  # None: no deadline
     model_path: str | None = None  # the model folder, for /tokenize (None: /tokenize is off)
+    profile_dir: str | None = None  # --profile-dir: /start_profile and /stop_profile are on
+
+
+class ProfileRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """The optional body of POST /start_profile."""
+
+    num_steps: int | None = None  # stop on its own after this many engine steps
+    record_shapes: bool = False
+    with_stack: bool = False
 
 
 class _Json(Response):
@@ -317,11 +326,39 @@ class Api:
     async def detokenize(self, request: Request) -> Response:
         return _Json(await self.tokens.detokenize(await self._small_body(request)))
 
+    async def start_profile(self, request: Request) -> Response:
+        self._check_profiling(request)
+        body = await self._small_body(request)
+        req = protocol.decode(body, ProfileRequest) if body.strip() else ProfileRequest()
+        if req.num_steps is not None and req.num_steps < 1:
+            raise ApiError("num_steps must be at least 1", param="num_steps")
+        msg = ProfileControl("start", req.num_steps or 0, req.record_shapes, req.with_stack)
+        self.client.send_control(msg)
+        return _Json({"status": "started", "profile_dir": self.config.profile_dir, **_fields(req)})
+
+    async def stop_profile(self, request: Request) -> Response:
+        self._check_profiling(request)
+        self.client.send_control(ProfileControl("stop"))
+        return _Json({"status": "stopped", "profile_dir": self.config.profile_dir})
+
+    def _check_profiling(self, request: Request) -> None:
+        if self.config.profile_dir is None:
+            raise ApiError(
+                f"{request.method} {request.url.path}: profiling is off (start the server with "
+                "--profile-dir DIR)",
+                status=404,
+                type="not_found_error",
+            )
+
     async def _small_body(self, request: Request) -> bytes:
         try:
             return await _read_body(request, self.config.max_request_bytes)
         except ClientDisconnect:
             raise ApiError("the client went away", status=499) from None
+
+
+def _fields(req: ProfileRequest) -> dict[str, Any]:
+    return {f: getattr(req, f) for f in req.__struct_fields__}
 
 
 def _error_param(message: str, kind: str) -> str:
@@ -383,6 +420,8 @@ def build_app(client: EngineClient, config: ApiConfig, strings: TokenStrings) ->
         Route("/openapi.json", api.openapi, methods=["GET"]),
         Route("/tokenize", api.tokenize, methods=["POST"]),
         Route("/detokenize", api.detokenize, methods=["POST"]),
+        Route("/start_profile", api.start_profile, methods=["POST"]),
+        Route("/stop_profile", api.stop_profile, methods=["POST"]),
     ]
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _server_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)

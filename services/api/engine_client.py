@@ -24,6 +24,7 @@ from common.ipc import api_from_scheduler_decoder, api_inbound_decoder, encoder
 from common.messages import (
     Abort,
     EngineFailure,
+    ProfileControl,
     SchedulerStats,
     TextBatch,
     TextDelta,
@@ -245,6 +246,11 @@ class EngineClient:
         fut = self._scheduler.send(encoder.encode(Abort(req_ids)), zmq.NOBLOCK)
         fut.add_done_callback(_log_send_error)
 
+    def send_control(self, msg: ProfileControl) -> None:
+        """To the scheduler, which applies it and passes it on to the worker."""
+        fut = self._scheduler.send(encoder.encode(msg), zmq.NOBLOCK)
+        fut.add_done_callback(_log_send_error)
+
     # -- background loops -----------------------------------------------------------------------
 
     async def _inbound_loop(self) -> None:
@@ -443,4 +449,4 @@ class EngineClient:
 
 def _log_send_error(fut: asyncio.Future) -> None:
     if not fut.cancelled() and fut.exception() is not None:
-        log.warning("could not send an abort to the scheduler: %s", fut.exception())
+        log.warning("could not send to the scheduler: %s", fut.exception())

@@ -95,6 +95,34 @@ _DETOKENIZE_RESPONSE = {
 }
 
 
+_PROFILE_REQUEST = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "num_steps": {"type": ["integer", "null"], "minimum": 1},
+        "record_shapes": {"type": "boolean", "default": False},
+        "with_stack": {"type": "boolean", "default": False},
+    },
+}
+_PROFILE_RESPONSE = {
+    "type": "object",
+    "required": ["status", "profile_dir"],
+    "properties": {"status": {"type": "string"}, "profile_dir": {"type": "string"}},
+}
+
+
+def _profile_op(summary: str, body: bool) -> dict[str, Any]:
+    content = {"application/json": {"schema": _PROFILE_RESPONSE}}
+    op: dict[str, Any] = {
+        "summary": summary,
+        "responses": {"200": {"description": "ok", "content": content}, **_errors(400, 401, 404)},
+    }
+    if body:
+        schema = {"application/json": {"schema": _PROFILE_REQUEST}}
+        op["requestBody"] = {"required": False, "content": schema}
+    return {"post": op}
+
+
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
@@ -137,6 +165,11 @@ def openapi_document(limits: Limits, secured: bool) -> dict[str, Any]:
             "/detokenize": _post_op(
                 _ref("DetokenizeRequest"), "token ids -> text", _DETOKENIZE_RESPONSE
             ),
+            "/start_profile": _profile_op(
+                "start the torch profiler in the worker and scheduler (404 without --profile-dir)",
+                body=True,
+            ),
+            "/stop_profile": _profile_op("stop profiling and write the traces", body=False),
         },
         "components": {"schemas": components},
     }

@@ -33,6 +33,7 @@ from common.messages import (
     Abort,
     EngineFailure,
     GenerateRequest,
+    ProfileControl,
     RequestTokens,
     SchedulerHello,
     SchedulerStats,
@@ -44,6 +45,7 @@ from common.messages import (
     unpack_ids,
 )
 from common.model_config import ModelConfig
+from common.profiling import Profiler, span
 from common.telemetry import BusyTracker, IdleGapAccounting, StepTelemetry
 from common.validation import check_request
 from services.engine_args import add_engine_args, engine_config_from_args
@@ -81,6 +83,7 @@ class SchedulerService:
         addresses: Addresses,
         overlap: bool = True,
         step_timeout_s: float = 60.0,
+        profile_dir: str | None = None,
     ) -> None:
         self.config = config
         self.model_name = Path(config.model).name
@@ -113,6 +116,7 @@ class SchedulerService:
         # Requests that arrive while a lost worker is replaced join the new core once it is up.
         self._pending: list[tuple[bytes, GenerateRequest]] = []
         self.kv_events = make_publisher(config.kv_events_config)  # None: no events recorded
+        self.profiler = Profiler(profile_dir, "scheduler")
 
     async def run(self) -> None:
         monitor = self.plans.get_monitor_socket(zmq.EVENT_DISCONNECTED)
@@ -221,7 +225,27 @@ class SchedulerService:
                     gone = set(msg.req_ids)
                     self._pending = [p for p in self._pending if p[1].req_id not in gone]
                 self._abort(msg)
+            elif isinstance(msg, ProfileControl):
+                await self._profile(routing_id, msg)
             self.wakeup.set()
+
+    async def _profile(self, routing_id: bytes, msg: ProfileControl) -> None:
+        """Only the api may switch the profiler; the worker gets it on the plan socket, in
+        order with the plans."""
+        if routing_id != API_ROUTING_ID or not self.profiler.enabled:
+            log.warning("dropped a profile control from %r", routing_id)
+            return
+        try:
+            if msg.action == "start":
+                self.profiler.start(msg.num_steps, msg.record_shapes, msg.with_stack)
+            elif msg.action == "stop":
+                self.profiler.stop()
+            else:
+                log.warning("dropped a profile control with action %r", msg.action)
+                return
+        except Exception:  # a failed trace must not take the scheduler down
+            log.exception("profile %s failed", msg.action)
+        await self.plans.send(encoder.encode(msg))
 
     def _add(self, routing_id: bytes, msg: GenerateRequest) -> None:
         assert self.scheduler is not None and self.blocks is not None
@@ -270,7 +294,8 @@ class SchedulerService:
                 continue
             if len(inflight) < self.depth:
                 t0 = time.perf_counter()
-                plan = self.scheduler.schedule()
+                with span("schedule"):
+                    plan = self.scheduler.schedule()
                 t1 = time.perf_counter()
                 if plan.num_requests or plan.finished_req_ids:
                     plan.sent_at = time.time()
@@ -288,10 +313,13 @@ class SchedulerService:
                     continue
                 t0 = time.perf_counter()
                 plan = inflight.popleft()
-                self._publish(self.scheduler.update(plan, result))
+                with span("update"):
+                    self._publish(self.scheduler.update(plan, result))
                 if self.kv_events is not None:  # once per step, after its blocks are computed
                     self.kv_events.publish(self.blocks.take_events())
                 self._record_step(result, time.perf_counter() - t0)
+                if self.profiler.active:
+                    self.profiler.step()
                 if not self.scheduler.has_unfinished():
                     self.stats_due.set()
                 continue
@@ -482,6 +510,7 @@ def main(argv: list[str] | None = None) -> None:
         Addresses.from_env(),
         overlap=not args.no_overlap,
         step_timeout_s=args.step_timeout_s,
+        profile_dir=args.profile_dir,
     )
     try:
         uvloop.run(service.run())
@@ -492,6 +521,8 @@ def main(argv: list[str] | None = None) -> None:
         service.ctx.destroy(linger=1000)  # let the failures reach the api and tokenizers
         log.error("%s: exiting", e)
         sys.exit(EXIT_STALLED)
+    finally:
+        service.profiler.stop()  # a trace in progress is still written on SIGTERM
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch
 from common.config import EngineConfig
 from common.messages import StepPlan, StepResult, TokenLogprobs, pack_ids, unpack_ids
 from common.model_config import ModelConfig, resolve_max_model_len
+from common.profiling import span
 from common.sampling_params import SamplingParams
 from kernels import cpu_ops
 from services.worker.cpu_tuning import keep_freed_memory
@@ -36,6 +37,7 @@ from services.worker.sampling_state import RequestSampling, Row, batch_for
 from services.worker.spec_verify import VerifyGroup, verify
 from services.worker.step_inputs import (
     Chunk,
+    StepInputs,
     build_step_inputs,
     max_decode_chunk,
     sample_ranges,
@@ -242,25 +244,18 @@ class ModelRunner:
         if graphs is not None:
             graphs.prepare(chunks)
             ranges = sample_ranges(chunks)
+            inputs = None
         else:
             inputs = build_step_inputs(chunks, self.block_size, self.device, self.decode_chunk)
             ranges = inputs.sample_ranges
         t1 = time.perf_counter()
         logits = None
         if self.model is not None:
-            # Every chunk's K/V must be stored, even in a step where no chunk samples.
-            if graphs is not None:
-                hidden = graphs.run()
-                if len(sampled) < len(chunks):
-                    rows = [i for i, c in enumerate(chunks) if c.num_sampled]
-                    hidden = hidden[torch.tensor(rows, device=self.device)]
-            else:
-                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-                hidden = hidden[inputs.sample_rows]
-            if sampled:
-                logits = self.model.compute_logits(hidden)
+            with span("forward"):
+                logits = self._forward(graphs, inputs, chunks, sampled)
         t2 = time.perf_counter()
-        outputs = self._sample(sampled, logits, ranges, chunks)
+        with span("sample"):
+            outputs = self._sample(sampled, logits, ranges, chunks)
         for item in scheduled:
             if item.k:
                 continue  # advanced below by what was accepted
@@ -292,6 +287,27 @@ class ModelRunner:
             forward_s=t2 - t1,
             sample_s=t3 - t2,
         )
+
+    def _forward(
+        self,
+        graphs: DecodeGraphs | None,
+        inputs: StepInputs | None,
+        chunks: list[Chunk],
+        sampled: list[Scheduled],
+    ) -> torch.Tensor | None:
+        """The model over this step's chunks; logits of the sampled rows (None: none sample)."""
+        assert self.model is not None
+        # Every chunk's K/V must be stored, even in a step where no chunk samples.
+        if graphs is not None:
+            hidden = graphs.run()
+            if len(sampled) < len(chunks):
+                rows = [i for i, c in enumerate(chunks) if c.num_sampled]
+                hidden = hidden[torch.tensor(rows, device=self.device)]
+        else:
+            assert inputs is not None
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            hidden = hidden[inputs.sample_rows]
+        return self.model.compute_logits(hidden) if sampled else None
 
     def _propose_drafts(self, scheduled: list[Scheduled]) -> None:
         wanted = [item for item in scheduled if item.k and not item.drafts]

@@ -20,7 +20,8 @@ import zmq
 from common.addresses import Addresses
 from common.config import EngineConfig
 from common.ipc import encoder, plan_decoder
-from common.messages import SchedulerHello, WorkerReady
+from common.messages import ProfileControl, SchedulerHello, WorkerReady
+from common.profiling import Profiler
 from services.engine_args import add_engine_args, engine_config_from_args
 from services.worker.model_runner import ModelRunner
 from services.worker.warmup import warm_up
@@ -28,8 +29,9 @@ from services.worker.warmup import warm_up
 log = logging.getLogger("stoker.worker")
 
 
-def run_worker(config: EngineConfig, addresses: Addresses) -> None:
+def run_worker(config: EngineConfig, addresses: Addresses, profile_dir: str | None = None) -> None:
     runner = ModelRunner(config)
+    profiler = Profiler(profile_dir, "worker")
     warm_up(runner)  # before ready: /health turns green only once the first request is fast
     ctx = zmq.Context()
     plans = ctx.socket(zmq.PULL)
@@ -53,6 +55,9 @@ def run_worker(config: EngineConfig, addresses: Addresses) -> None:
                 results.send(encoder.encode(_ready(runner, plan.incarnation)))
                 log.info("answered scheduler %s", plan.incarnation[:8])
                 continue
+            if isinstance(plan, ProfileControl):
+                _control_profiler(profiler, plan)
+                continue
             plan_ipc_s = time.time() - plan.sent_at
             try:
                 result = runner.execute(plan)
@@ -64,10 +69,25 @@ def run_worker(config: EngineConfig, addresses: Addresses) -> None:
             result.sent_at = time.time()
             results.send(encoder.encode(result))
             idle_since = time.perf_counter()
+            if profiler.active:
+                profiler.step()
     finally:
+        profiler.stop()  # a trace in progress is still written on SIGTERM
         plans.close(linger=0)
         results.close(linger=0)
         ctx.term()
+
+
+def _control_profiler(profiler: Profiler, msg: ProfileControl) -> None:
+    try:
+        if msg.action == "start":
+            profiler.start(msg.num_steps, msg.record_shapes, msg.with_stack)
+        elif msg.action == "stop":
+            profiler.stop()
+        else:
+            log.warning("dropped a profile control with action %r", msg.action)
+    except Exception:  # a failed trace must not take the worker down
+        log.exception("profile %s failed", msg.action)
 
 
 def _ready(runner: ModelRunner, incarnation: str) -> WorkerReady:
@@ -94,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("STOKER_LOG_LEVEL", "INFO"))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    run_worker(engine_config_from_args(args), Addresses.from_env())
+    run_worker(engine_config_from_args(args), Addresses.from_env(), args.profile_dir)
 
 
 if __name__ == "__main__":
