@@ -163,8 +163,8 @@ class EngineClient:
         try:
             for r, track in zip(requests, tracks):
                 await self._send_to_tokenizer(encoder.encode(r), track)
-        except ApiError:
-            self.release([r.req_id for r in requests])
+        except ApiError:  # never reached the engine: not a finished request
+            self.release([r.req_id for r in requests], count=False)
             raise
         return queue
 
@@ -202,11 +202,14 @@ class EngineClient:
             c.ttft_s = track.first - track.arrival
         self.request_log.finish(c)
 
-    def release(self, req_ids: list[str]) -> None:
-        """The handler is done with these ids: abort the ones still running. Never blocks, so
+    def release(self, req_ids: list[str], count: bool = True) -> None:
+        """The handler is done with these ids: abort the ones still running (the client went
+        away), counted as finished with reason abort unless count is False. Never blocks, so
         it is safe in `finally` of a cancelled handler."""
         live = [i for i in req_ids if self._untrack(i) is not None]
         if live:
+            if count:
+                self.metrics.request_success.labels("abort").inc(len(live))
             now = time.monotonic()
             self._aborted.update(dict.fromkeys(live, now))
             self._send_abort(live)
@@ -227,7 +230,7 @@ class EngineClient:
             self.metrics.request_success.labels("abort").inc(len(ids))
             # As a client that went away: the scheduler may hold them, or get them later from a
             # tokenizer that was only stalled; release aborts now and tombstones late deltas.
-            self.release(ids)
+            self.release(ids, count=False)  # counted just above
         return ids
 
     def engine_lost(self, message: str) -> None:

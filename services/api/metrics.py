@@ -54,13 +54,18 @@ class _EngineCollector(Collector):
             "kv_cache_usage_perc": ("Fraction of KV-cache blocks in use (0-1).", s and s.kv_usage),
             "kv_cache_free_blocks": ("Free KV-cache blocks.", s and s.num_free_blocks),
             "kv_cache_total_blocks": ("KV-cache blocks in total.", s and s.num_total_blocks),
-            "num_preemptions": ("Preemptions since start.", s and s.num_preemptions),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"stoker:{name}", doc, value=float(value or 0))
             if name in VLLM_ALIASES:
                 alias_doc = f"{doc} Alias of stoker:{name}."
                 yield GaugeMetricFamily(f"vllm:{name}", alias_doc, value=float(value or 0))
+        # A counter (rate() works across scrapes), fed by the scheduler's cumulative count.
+        yield CounterMetricFamily(
+            "stoker:num_preemptions",
+            "Requests preempted (their KV blocks taken back) since the scheduler started.",
+            value=float(s.num_preemptions if s else 0),
+        )
         yield CounterMetricFamily(
             "stoker:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
@@ -155,7 +160,8 @@ class Metrics:
         )
         self.queue_time = Histogram(
             "stoker:request_queue_time_seconds",
-            "Time a request waited in the scheduler before its first step.",
+            "Time from arrival at the api to the request's first step (tokenization and the "
+            "scheduler's queue).",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )

@@ -64,6 +64,15 @@ TOKENIZER_HWM = 10_000
 EXIT_STALLED = 3  # the worker made no progress for --step-timeout-s
 
 
+def arrival_monotonic(wall: float) -> float | None:
+    """The api's arrival (time.time(), comparable across processes and hosts) on this process's
+    monotonic clock, which the core measures queue time with; None (now) when the peer did not
+    set it. A clock skew that puts it in the future counts as now."""
+    if wall <= 0.0:
+        return None
+    return time.monotonic() - max(0.0, time.time() - wall)
+
+
 class EngineStalled(Exception):
     """No step result for --step-timeout-s: the worker is hung, frozen or gone."""
 
@@ -261,6 +270,7 @@ class SchedulerService:
                 msg.params,
                 max_tokens,
                 self.model_cfg.eos_token_ids,
+                arrival_time=arrival_monotonic(msg.arrival_time),
             )
             self.scheduler.add_request(request)
         except ValueError as e:
