@@ -22,7 +22,9 @@ STEP_BUCKETS = (
 STEP_METRICS = {
     "schedule": "Scheduler planning time per step (schedule()).",
     "plan_encode": "Scheduler time to encode and send a step plan.",
-    "plan_ipc": "Plan transit and decode, scheduler send to worker start.",
+    "plan_ipc": "Plan transit and decode, from the later of the scheduler's send and the worker "
+    "finishing its previous step, to the worker starting the step (a plan queued behind the "
+    "step in flight did not wait on IPC).",
     "result_ipc": "Result transit and decode, worker send to scheduler receipt.",
     "update": "Scheduler time to apply a result and publish tokens (update()).",
     "worker_prepare": "Worker input preparation per step.",
@@ -31,6 +33,12 @@ STEP_METRICS = {
     "worker_idle": "Worker idle gap: time it waited for the next plan while there was work "
     "(a wait that began with an engine holding no requests is not counted).",
 }
+
+
+def plan_ipc_time(sent_at: float, worker_free_at: float, decoded_at: float) -> float:
+    """What a plan's IPC cost the worker (all time.time()): with overlap, plan N+1 arrives while
+    step N runs, and the time it sat queued behind that step is not transit."""
+    return max(0.0, decoded_at - max(sent_at, worker_free_at))
 
 
 class HistogramState(msgspec.Struct, array_like=True, gc=False):

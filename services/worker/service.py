@@ -22,6 +22,7 @@ from common.config import EngineConfig
 from common.ipc import encoder, plan_decoder
 from common.messages import ProfileControl, SchedulerHello, WorkerReady
 from common.profiling import Profiler
+from common.telemetry import plan_ipc_time
 from services.engine_args import add_engine_args, engine_config_from_args
 from services.worker.model_runner import ModelRunner
 from services.worker.warmup import warm_up
@@ -41,6 +42,7 @@ def run_worker(config: EngineConfig, addresses: Addresses, profile_dir: str | No
     results.send(encoder.encode(_ready(runner, "")))
     log.info("worker ready: %d KV blocks of %d tokens", runner.num_blocks, runner.block_size)
     idle_since = time.perf_counter()
+    free_at = time.time()  # wall clock, as the plan's sent_at: when a next plan could start
     try:
         while True:
             raw = plans.recv()
@@ -57,8 +59,9 @@ def run_worker(config: EngineConfig, addresses: Addresses, profile_dir: str | No
                 continue
             if isinstance(plan, ProfileControl):
                 _control_profiler(profiler, plan)
+                free_at = time.time()  # writing a trace is not the next plan's IPC
                 continue
-            plan_ipc_s = time.time() - plan.sent_at
+            plan_ipc_s = plan_ipc_time(plan.sent_at, free_at, time.time())
             try:
                 result = runner.execute(plan)
             except Exception:  # e.g. a plan naming a request this worker never saw
@@ -68,9 +71,9 @@ def run_worker(config: EngineConfig, addresses: Addresses, profile_dir: str | No
             result.plan_ipc_s = plan_ipc_s
             result.sent_at = time.time()
             results.send(encoder.encode(result))
-            idle_since = time.perf_counter()
             if profiler.active:
-                profiler.step()
+                profiler.step()  # at num_steps writes the trace: before free_at, as above
+            idle_since, free_at = time.perf_counter(), time.time()
     finally:
         profiler.stop()  # a trace in progress is still written on SIGTERM
         plans.close(linger=0)

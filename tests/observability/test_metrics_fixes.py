@@ -139,3 +139,14 @@ def test_queue_time_help_says_where_it_starts() -> None:
         line for line in text.splitlines() if line.startswith("# HELP stoker:request_queue_time")
     )
     assert "arrival at the api" in help_line
+
+
+def test_plan_ipc_leaves_out_the_wait_behind_the_step_in_flight() -> None:
+    from common.telemetry import plan_ipc_time
+
+    # Overlap: plan N+1 sent at 10.0 while step N ran until 12.0; decoded 1 ms after.
+    assert plan_ipc_time(10.0, 12.0, 12.001) == pytest.approx(0.001)
+    # The worker was free first (it waited on the scheduler): the whole transit counts.
+    assert plan_ipc_time(12.0, 10.0, 12.003) == pytest.approx(0.003)
+    # Clocks a little apart across hosts: never negative.
+    assert plan_ipc_time(12.5, 10.0, 12.4) == 0.0
