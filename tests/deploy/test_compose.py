@@ -20,7 +20,9 @@ from tests.deploy.procs import free_port, post_json, stop_all, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
-SERVICES = COMPOSE["services"]
+# The stoker set; services under a profile (monitoring) start only when asked for.
+SERVICES = {k: v for k, v in COMPOSE["services"].items() if "profiles" not in v}
+PROFILED = {k: v for k, v in COMPOSE["services"].items() if "profiles" in v}
 
 
 def test_structure():
@@ -47,6 +49,35 @@ def test_structure():
     assert "ARG BASE_IMAGE=python:3.11-slim" in dockerfile
     assert re.search(r"^USER stoker$", dockerfile, re.M), "the image runs as a non-root user"
     assert "services.fetch_model smollm2" in dockerfile and "--no-index --find-links" in dockerfile
+
+
+def test_monitoring_profile_mounts_files_that_exist_and_scrapes_the_api():
+    assert {k: v["profiles"] for k, v in PROFILED.items()} == {
+        "prometheus": ["monitoring"],
+        "grafana": ["monitoring"],
+    }
+    for name, svc in PROFILED.items():
+        for volume in svc["volumes"]:
+            host = volume.split(":")[0]
+            assert (REPO / host).exists(), (name, host)
+        # Published on the host only, like the api; never the stoker tcp ports.
+        assert all(str(p).startswith("${STOKER_HOST_IP:-127.0.0.1}:") for p in svc["ports"])
+    prom = yaml.safe_load((REPO / "deploy/prometheus/prometheus.yml").read_text())
+    (job,) = prom["scrape_configs"]
+    assert job["metrics_path"] == "/metrics"
+    assert job["static_configs"][0]["targets"] == ["api:8000"]  # the compose api service
+    datasource = yaml.safe_load(
+        (REPO / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text()
+    )["datasources"][0]
+    assert datasource["url"] == "http://prometheus:9090"
+    dashboard = json.loads((REPO / "deploy/grafana/dashboards/stoker.json").read_text())
+    uids = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]}
+    assert uids == {datasource["uid"]}  # every panel reads the provisioned datasource
+    provider = yaml.safe_load(
+        (REPO / "deploy/grafana/provisioning/dashboards/stoker.yml").read_text()
+    )["providers"][0]
+    mounted = dict(v.split(":")[:2] for v in PROFILED["grafana"]["volumes"])
+    assert mounted["./deploy/grafana/dashboards"] == provider["options"]["path"]
 
 
 def _local(value: str, api_port: int) -> str:
