@@ -502,6 +502,14 @@ class SchedulerService:
         )
 
 
+async def _serve(service: SchedulerService) -> None:
+    try:
+        await service.run()
+    except EngineStalled as e:
+        service._fail_all(str(e))  # inside the loop: the router is an asyncio socket
+        raise
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="stoker scheduler", description=__doc__)
     add_engine_args(parser)
@@ -523,11 +531,10 @@ def main(argv: list[str] | None = None) -> None:
         profile_dir=args.profile_dir,
     )
     try:
-        uvloop.run(service.run())
+        uvloop.run(_serve(service))
     except EngineStalled as e:
         # Exit so a supervisor (stoker serve, compose) acts; a restarted scheduler handshakes
         # with the worker afresh.
-        service._fail_all(str(e))
         service.ctx.destroy(linger=1000)  # let the failures reach the api and tokenizers
         log.error("%s: exiting", e)
         sys.exit(EXIT_STALLED)

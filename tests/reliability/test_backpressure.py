@@ -4,7 +4,7 @@ reported to the api as lost."""
 
 from __future__ import annotations
 
-import time
+import asyncio
 
 import msgspec
 import zmq
@@ -18,6 +18,11 @@ from services.scheduler.service import SchedulerService
 
 
 def test_unreachable_tokenizer_is_failed_loudly(model, tmp_path):
+    # In an event loop, as in the scheduler process: its sockets are asyncio ones.
+    asyncio.run(_unreachable_tokenizer(model, tmp_path))
+
+
+async def _unreachable_tokenizer(model, tmp_path) -> None:
     addresses = Addresses.in_run_dir(tmp_path / "run")
     service = SchedulerService(EngineConfig(model=str(model), null_model=True), addresses)
     api = zmq.Context.instance().socket(zmq.DEALER)  # stands in for the api
@@ -28,7 +33,7 @@ def test_unreachable_tokenizer_is_failed_loudly(model, tmp_path):
         request = GenerateRequest("r-1", pack_ids([5, 6, 7]), SamplingParams(max_tokens=4))
         service._add(b"tok-gone", request)  # its tokenizer never connected (or went away)
         assert service.scheduler.num_waiting == 1
-        time.sleep(0.2)  # the api's connection is up
+        await asyncio.sleep(0.2)  # the api's connection is up
         service._send_batches({b"tok-gone": [RequestTokens("r-1", pack_ids([9]))]})
         assert service.scheduler.num_waiting == 0 and not service.owners
         assert service.blocks.num_free_blocks() == service.blocks.num_blocks

@@ -11,6 +11,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 ROUTES = ["/v1/completions", "/v1/chat/completions"]
@@ -64,7 +65,13 @@ def _fuzz_schema(server, config: settings) -> None:
                 content_type = response.headers.get("content-type", [""])[0]
                 check_response(response.status_code, content_type, response.content)
 
-            run()
+            try:
+                run()
+            except Unsatisfiable:
+                # A route whose schema admits every body (/stop_profile takes an optional
+                # empty one) has no invalid input to generate: nothing to break.
+                if mode is not GenerationMode.NEGATIVE:
+                    raise
 
 
 def test_schema_fuzz(fuzz_server):
