@@ -34,6 +34,7 @@ from services.api.guard import ApiKeyMiddleware
 from services.api.openapi import openapi_document
 from services.api.protocol import DEFAULT_LIMITS, ApiError, Limits
 from services.api.responses import Accumulator, Formatter
+from services.api.router_routes import version
 from services.api.tokenize_routes import TokenIdStrings, TokenizerEndpoints
 from services.api.tokens import TokenStrings
 
@@ -422,6 +423,7 @@ def build_app(client: EngineClient, config: ApiConfig, strings: TokenStrings) ->
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/start_profile", api.start_profile, methods=["POST"]),
         Route("/stop_profile", api.stop_profile, methods=["POST"]),
+        Route("/version", version, methods=["GET"]),  # SMG reads it to identify the engine
     ]
     handlers = {ApiError: _api_error, HTTPException: _http_error, Exception: _server_error}
     app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
