@@ -97,11 +97,14 @@ class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
     counts: list[int] | None = None  # set when some request speculated
     logprobs: list[TokenLogprobs | None] | None = None  # aligned with token_ids when any asked
     prepare_s: float = 0.0
-    forward_s: float = 0.0
+    forward_s: float = 0.0  # device time: CUDA events on CUDA, the forward's wall time on CPU
     sample_s: float = 0.0
     idle_s: float = 0.0  # worker time spent waiting for this plan (the device's idle gap)
     plan_ipc_s: float = 0.0  # plan transit + decode
     sent_at: float = 0.0  # time.time() when sent
+    forward_host_s: float = 0.0  # host wall time around the forward (launches, on CUDA)
+    num_tokens: int = 0  # tokens the forward ran over (prefill chunks, decodes, drafts)
+    num_reqs: int = 0  # requests in the step
 
 
 # --- api <-> tokenizer <-> scheduler ---------------------------------------------------------

@@ -28,10 +28,21 @@ STEP_METRICS = {
     "result_ipc": "Result transit and decode, worker send to scheduler receipt.",
     "update": "Scheduler time to apply a result and publish tokens (update()).",
     "worker_prepare": "Worker input preparation per step.",
-    "worker_forward": "Worker model forward per step.",
+    "worker_forward": "Model forward per step on the device: timed with CUDA events on CUDA; on "
+    "CPU the forward's wall time (host and device are the same).",
+    "worker_forward_host": "Host wall time around the model forward per step: on CUDA the "
+    "kernel launches (or one graph replay), on CPU the compute itself.",
     "worker_sample": "Worker sampling per step.",
     "worker_idle": "Worker idle gap: time it waited for the next plan while there was work "
     "(a wait that began with an engine holding no requests is not counted).",
+}
+
+
+# Forward-pass size per step, in tokens and in requests: powers of two up to 16k.
+BATCH_BUCKETS = tuple(float(2**i) for i in range(15))
+BATCH_METRICS = {
+    "batch_tokens": "Tokens in each step's forward (prefill chunks, decodes and drafts).",
+    "batch_requests": "Requests in each step's forward.",
 }
 
 
@@ -49,22 +60,30 @@ class HistogramState(msgspec.Struct, array_like=True, gc=False):
     def empty(cls) -> HistogramState:
         return cls([0] * (len(STEP_BUCKETS) + 1))
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(STEP_BUCKETS, value)] += 1
+    def observe(self, value: float, buckets: tuple[float, ...] = STEP_BUCKETS) -> None:
+        self.counts[bisect.bisect_left(buckets, value)] += 1
         self.total += value
 
 
 class StepTelemetry(msgspec.Struct, array_like=True, gc=False):
-    histograms: dict[str, HistogramState]
+    histograms: dict[str, HistogramState]  # STEP_METRICS, in seconds
     busy_fraction: float = 0.0  # worker busy time / wall time over the last few seconds
     num_steps: int = 0
+    batch: dict[str, HistogramState] = {}  # BATCH_METRICS, over BATCH_BUCKETS
 
     @classmethod
     def empty(cls) -> StepTelemetry:
-        return cls({name: HistogramState.empty() for name in STEP_METRICS})
+        return cls(
+            {name: HistogramState.empty() for name in STEP_METRICS},
+            batch={name: HistogramState([0] * (len(BATCH_BUCKETS) + 1)) for name in BATCH_METRICS},
+        )
 
     def observe(self, name: str, value: float) -> None:
         self.histograms[name].observe(value)
+
+    def observe_batch(self, num_tokens: int, num_requests: int) -> None:
+        self.batch["batch_tokens"].observe(num_tokens, BATCH_BUCKETS)
+        self.batch["batch_requests"].observe(num_requests, BATCH_BUCKETS)
 
 
 class BusyTracker:

@@ -25,6 +25,18 @@ def mean(name: str) -> str:
 STEP_PHASES = ["schedule", "plan_ipc", "worker_prepare", "worker_forward", "worker_sample"]
 STEP_PHASES += ["result_ipc", "update", "worker_idle"]
 
+# Is the host keeping the device fed? The device's share of the worker's time while it has work:
+# forward device time over the worker's wall time per step (waiting for a plan, preparing,
+# issuing the forward, sampling). Near 1: fed; lower: the host is the bottleneck.
+DEVICE_FED = (
+    "rate(stoker:step_worker_forward_seconds_sum[1m]) / ("
+    + " + ".join(
+        f"rate(stoker:step_worker_{p}_seconds_sum[1m])"
+        for p in ("idle", "prepare", "forward_host", "sample")
+    )
+    + ")"
+)
+
 # (title, unit, [(legend, expr)])
 PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Requests per second", "reqps", [("finished", "sum(rate(stoker:request_success_total[1m]))")]),
@@ -67,6 +79,19 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
         [(phase, mean(f"stoker:step_{phase}_seconds")) for phase in STEP_PHASES],
     ),
     ("Device busy fraction", "percentunit", [("busy", "stoker:device_busy_fraction")]),
+    ("Device fed share (forward device time / worker time)", "percentunit", [("fed", DEVICE_FED)]),
+    (
+        "Forward time per step: device and host",
+        "s",
+        [("device", mean("stoker:step_worker_forward_seconds")),
+         ("host", mean("stoker:step_worker_forward_host_seconds"))],
+    ),
+    (
+        "Forward batch per step (mean)",
+        "short",
+        [("tokens", mean("stoker:step_batch_tokens")),
+         ("requests", mean("stoker:step_batch_requests"))],
+    ),
     (
         "Requests per tokenizer",
         "reqps",

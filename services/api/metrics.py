@@ -22,7 +22,14 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from common.messages import SchedulerStats, SpecStats
-from common.telemetry import STEP_BUCKETS, STEP_METRICS, StepTelemetry
+from common.telemetry import (
+    BATCH_BUCKETS,
+    BATCH_METRICS,
+    STEP_BUCKETS,
+    STEP_METRICS,
+    HistogramState,
+    StepTelemetry,
+)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
 _LATENCY_BUCKETS += (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -122,19 +129,27 @@ def _step_metrics(telemetry: StepTelemetry | None) -> Iterator[Metric]:
     telemetry = telemetry or StepTelemetry.empty()
     for name, doc in STEP_METRICS.items():
         state = telemetry.histograms[name]
-        cumulative, buckets = 0, []
-        for bound, count in zip((*STEP_BUCKETS, float("inf")), state.counts):
-            cumulative += count
-            buckets.append((floatToGoString(bound), cumulative))
-        yield HistogramMetricFamily(
-            f"stoker:step_{name}_seconds", doc, buckets=buckets, sum_value=state.total
-        )
+        yield _histogram(f"stoker:step_{name}_seconds", doc, state, STEP_BUCKETS)
+    empty = StepTelemetry.empty().batch
+    for name, doc in BATCH_METRICS.items():
+        state = telemetry.batch.get(name) or empty[name]  # absent: an older scheduler
+        yield _histogram(f"stoker:step_{name}", doc, state, BATCH_BUCKETS)
     yield GaugeMetricFamily(
         "stoker:device_busy_fraction",
         "Fraction of recent wall time the worker spent running steps.",
         value=telemetry.busy_fraction,
     )
     yield CounterMetricFamily("stoker:steps", "Steps run by the worker.", value=telemetry.num_steps)
+
+
+def _histogram(
+    name: str, doc: str, state: HistogramState, bounds: tuple[float, ...]
+) -> HistogramMetricFamily:
+    cumulative, buckets = 0, []
+    for bound, count in zip((*bounds, float("inf")), state.counts):
+        cumulative += count
+        buckets.append((floatToGoString(bound), cumulative))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=state.total)
 
 
 class Metrics:

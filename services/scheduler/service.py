@@ -402,9 +402,12 @@ class SchedulerService:
         t.observe("result_ipc", max(0.0, time.time() - result.sent_at))
         t.observe("worker_prepare", result.prepare_s)
         t.observe("worker_forward", result.forward_s)
+        t.observe("worker_forward_host", result.forward_host_s)
         t.observe("worker_sample", result.sample_s)
         t.observe("worker_idle", self.idle_gaps.gap(result.step_id, result.idle_s))
-        self.busy.add(result.prepare_s + result.forward_s + result.sample_s)
+        if result.num_reqs:
+            t.observe_batch(result.num_tokens, result.num_reqs)
+        self.busy.add(result.prepare_s + result.forward_host_s + result.sample_s)
 
     def _publish(self, updates: list[RequestUpdate]) -> None:
         assert self.scheduler is not None

@@ -24,6 +24,7 @@ from kernels import cpu_ops
 from services.worker.cpu_tuning import keep_freed_memory
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from services.worker.drafter import Drafter
+from services.worker.forward_timer import ForwardTimer
 from services.worker.kv_sizing import (
     GIB,
     cpu_kv_blocks,
@@ -32,6 +33,8 @@ from services.worker.kv_sizing import (
     profile_gpu_memory,
 )
 from services.worker.loader import check_model_folder, load_model, resolve_dtype
+from services.worker.parallel.comm import Communicator
+from services.worker.parallel.shard import local_kv_heads
 from services.worker.sampler import Sampler, token_logprobs
 from services.worker.sampling_state import RequestSampling, Row, batch_for
 from services.worker.spec_verify import VerifyGroup, verify
@@ -69,11 +72,18 @@ class RequestState:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, comm: Communicator | None = None) -> None:
+        """comm: this rank's communicator under tensor parallelism (services/worker/parallel/):
+        the model and the KV pool are then this rank's shard; None is the one-rank path."""
         self.config = config
+        self.comm = comm
         folder = check_model_folder(config.model)
         self.model_cfg = ModelConfig.from_folder(folder)
+        self.kv_heads = self.model_cfg.num_kv_heads
+        if comm is not None:
+            self.kv_heads = local_kv_heads(self.kv_heads, comm.world_size)
         self.device = torch.device(config.device)
+        self.forward_timer = ForwardTimer(self.device)
         self.dtype = resolve_dtype(config.dtype, self.model_cfg, config.device)
         self.max_model_len = resolve_max_model_len(self.model_cfg, config.max_model_len)
         self.block_size = config.block_size
@@ -83,8 +93,10 @@ class ModelRunner:
             cpu_ops.load()  # build or load the native kernels now, not in the first step
         self.model = None
         if not config.null_model:
-            self.model = load_model(folder, self.dtype, config.device, self.max_model_len)
-        self.decode_chunk = max_decode_chunk(self.device, self.dtype, self.model_cfg)
+            self.model = load_model(folder, self.dtype, config.device, self.max_model_len, comm)
+        # The model's own (per-rank under tensor parallelism) head counts pick the decode path.
+        shapes = self.model_cfg if self.model is None else self.model.cfg
+        self.decode_chunk = max_decode_chunk(self.device, self.dtype, shapes)
         self.drafter: Drafter | None = None
         if config.speculative == "draft" and not config.null_model:
             assert config.speculative_model is not None
@@ -102,6 +114,8 @@ class ModelRunner:
             self.num_blocks, source = config.num_kv_blocks, "--num-kv-blocks"
         else:
             self.num_blocks, source = self._blocks_that_fit(capture)
+        if comm is not None:  # each rank sized its own pool: the scheduler gets one number
+            self.num_blocks = comm.min_int(self.num_blocks)
         capacity = self.num_blocks * self.block_size
         if capacity < self.max_model_len:
             # A lone request must always fit in the pool, or preemption could never make room.
@@ -113,7 +127,7 @@ class ModelRunner:
             self.max_model_len = capacity
         cfg = self.model_cfg
         # One block past the scheduler's pool: the scratch block padded decode rows write to.
-        shape = (self.num_blocks + 1, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (self.num_blocks + 1, self.block_size, self.kv_heads, cfg.head_dim)
         layers = 0 if config.null_model else cfg.num_layers
         self.kv_caches = [(self._zeros(shape), self._zeros(shape)) for _ in range(layers)]
         if self.drafter is not None:
@@ -147,7 +161,7 @@ class ModelRunner:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         # The null model sizes its (unallocated) pool as the real model would, so the scheduler
         # sees the same number of blocks.
-        size = kv_block_bytes(cfg.num_layers, self.block_size, cfg.num_kv_heads, cfg.head_dim, elem)
+        size = kv_block_bytes(cfg.num_layers, self.block_size, self.kv_heads, cfg.head_dim, elem)
         if self.drafter is not None:  # its cache has as many blocks as the target's
             size += self.drafter.kv_block_bytes(elem)
         return size
@@ -251,8 +265,10 @@ class ModelRunner:
         t1 = time.perf_counter()
         logits = None
         if self.model is not None:
+            self.forward_timer.start()
             with span("forward"):
                 logits = self._forward(graphs, inputs, chunks, sampled)
+            self.forward_timer.stop()
         t2 = time.perf_counter()
         with span("sample"):
             outputs = self._sample(sampled, logits, ranges, chunks)
@@ -277,6 +293,8 @@ class ModelRunner:
             logprobs.extend(lps if lps is not None else [None] * len(tokens))
             any_logprobs = any_logprobs or lps is not None
         t3 = time.perf_counter()
+        forward_host_s = t2 - t1
+        forward_s = 0.0 if self.model is None else self.forward_timer.device_seconds(forward_host_s)
         return StepResult(
             step_id=plan.step_id,
             req_ids=req_ids,
@@ -284,8 +302,11 @@ class ModelRunner:
             counts=counts if len(token_ids) != len(req_ids) else None,
             logprobs=logprobs if any_logprobs else None,
             prepare_s=t1 - t0,
-            forward_s=t2 - t1,
+            forward_s=forward_s,
             sample_s=t3 - t2,
+            forward_host_s=forward_host_s,
+            num_tokens=sum(len(c.token_ids) for c in chunks),
+            num_reqs=len(chunks),
         )
 
     def _forward(

@@ -150,3 +150,42 @@ def test_plan_ipc_leaves_out_the_wait_behind_the_step_in_flight() -> None:
     assert plan_ipc_time(12.0, 10.0, 12.003) == pytest.approx(0.003)
     # Clocks a little apart across hosts: never negative.
     assert plan_ipc_time(12.5, 10.0, 12.4) == 0.0
+
+
+def _steps_settled(url: str, want_requests: float, timeout: float = 20.0) -> str:
+    """/metrics once the scheduler's periodic stats carry every step of the request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = _metrics(url)
+        if _value(text, "stoker:step_batch_requests_sum") >= want_requests:
+            return text
+        if time.monotonic() > deadline:
+            return text
+        time.sleep(0.05)
+
+
+def test_forward_metrics_count_each_steps_tokens_and_requests(served) -> None:
+    """One request alone: its prompt is one prefill step, then one decode step per further
+    token, so the per-step batch histograms sum to exactly what the forward ran over."""
+    served.wait_blocks_free()
+    before = _metrics(served.url)
+    names = {
+        key: f"stoker:step_{key}" for key in ("batch_tokens_sum", "batch_tokens_count",
+                                              "batch_requests_sum", "batch_requests_count")
+    }  # fmt: skip
+    was = {key: _value(before, name) for key, name in names.items()}
+    # 10 prompt tokens: shorter than a block, so nothing comes from the prefix cache.
+    body = {"prompt": [40, 41, 42, 43, 44, 45, 46, 47, 48, 49], "max_tokens": 8, "ignore_eos": True}
+    r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    after = _steps_settled(served.url, was["batch_requests_sum"] + 8)
+    delta = {key: _value(after, name) - was[key] for key, name in names.items()}
+    assert delta["batch_tokens_sum"] == 10 + 7  # the last sampled token is never fed back
+    assert delta["batch_requests_sum"] == 8 and delta["batch_requests_count"] == 8
+    assert delta["batch_tokens_count"] == 8
+    assert "# TYPE stoker:step_batch_tokens histogram" in after
+    # On CPU the forward is the host's own compute: device time is its wall time, step by step.
+    device = _value(after, "stoker:step_worker_forward_seconds_sum")
+    host = _value(after, "stoker:step_worker_forward_host_seconds_sum")
+    assert device > 0 and device == host
+    served.wait_blocks_free()
