@@ -13,6 +13,7 @@ On SIGTERM the api drains first (--shutdown-timeout), then the engine stops; exi
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import signal
@@ -24,13 +25,24 @@ import urllib.request
 from dataclasses import dataclass
 
 from common.addresses import Addresses, private_dir
+from common.logs import add_log_format_arg, configure_logging
 from services.api.__main__ import add_request_log_args, add_safety_args
 from services.engine_args import add_engine_args, engine_args_to_argv
+from services.fleet.plan import add_fleet_args, wants_fleet
 
 HEALTH_TIMEOUT_S = 300.0
 ENGINE = ("worker", "scheduler")
 FAIL_GRACE_S = 1.0  # after telling the api the engine died: time to send the errors out
 RESTART_BACKOFF_S = 1.0  # a tokenizer that dies again at once waits this long (doubling, <=30)
+log = logging.getLogger("stoker.launcher")
+
+
+def _say(message: str, level: int = logging.WARNING, to_stdout: bool = False) -> None:
+    """The launcher's own news: `stoker: ...` lines as always, or JSON with --log-format json."""
+    if os.environ.get("STOKER_LOG_FORMAT") == "json":
+        log.log(level, message)
+    else:
+        print(f"stoker: {message}", file=sys.stdout if to_stdout else sys.stderr, flush=True)
 
 
 @dataclass
@@ -66,6 +78,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     add_safety_args(parser)
     add_request_log_args(parser)
     add_engine_args(parser)
+    add_log_format_arg(parser)
+    add_fleet_args(parser)
     return parser
 
 
@@ -150,7 +164,7 @@ def serve(args: argparse.Namespace) -> int:
             fatal = [c for c in dead if not c.name.startswith("tokenizer")]
             for c in dead:
                 if c.restart_at is None:  # said once, not on every poll of its backoff
-                    print(f"stoker: {c.name} exited with code {c.proc.returncode}", file=sys.stderr)
+                    _say(f"{c.name} exited with code {c.proc.returncode}")
             if fatal:
                 if any(c.name in ENGINE for c in fatal):
                     _engine_lost(children)
@@ -162,13 +176,14 @@ def serve(args: argparse.Namespace) -> int:
                 if _healthy(health):
                     announced = True
                     took = time.monotonic() - started
-                    print(
-                        f"stoker: serving {args.model} on http://{args.host}:{args.port} "
+                    _say(
+                        f"serving {args.model} on http://{args.host}:{args.port} "
                         f"(ready in {took:.1f}s)",
-                        flush=True,
+                        logging.INFO,
+                        to_stdout=True,
                     )
                 elif time.monotonic() - started > HEALTH_TIMEOUT_S:
-                    print("stoker: /health did not turn green in time", file=sys.stderr)
+                    _say("/health did not turn green in time", logging.ERROR)
                     exit_code = 1
                     break
             time.sleep(0.2)
@@ -206,7 +221,7 @@ def _restart(child: Child, env: dict[str, str], nice: int, now: float) -> None:
     child.backoff_s = RESTART_BACKOFF_S if not child.backoff_s else child.backoff_s * 2
     child.proc = _spawn(child.name, child.cmd, env, nice)
     child.started = time.monotonic()
-    print(f"stoker: restarted {child.name} (restart {child.restarts})", file=sys.stderr)
+    _say(f"restarted {child.name} (restart {child.restarts})")
 
 
 def _engine_lost(children: list[Child]) -> None:
@@ -239,4 +254,14 @@ def _stop_all(children: list[Child], drain_s: float = 0.0, grace_s: float = 10.0
 
 
 def main(argv: list[str] | None = None) -> int:
-    return serve(build_parser().parse_args(argv))
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # Children read the format from the environment (every service's --log-format default).
+    os.environ["STOKER_LOG_FORMAT"] = args.log_format
+    configure_logging("launcher", args.log_format)
+    if wants_fleet(args):  # N service sets behind a router (services/fleet)
+        from services.fleet.supervisor import serve_fleet
+
+        return serve_fleet(args, argv, parser)
+    return serve(args)

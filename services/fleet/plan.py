@@ -1,0 +1,171 @@
+"""The fleet's commands, worked out without starting anything (docs/fleet.md).
+
+`stoker serve --replicas N --router smg` runs N complete `stoker serve` sets, each on its own
+loopback port and run directory, with `smg launch` in front on --host/--port. A replica gets the
+caller's flags minus the fleet's own (and minus --host, --port and --run-dir, which the fleet
+assigns); the router gets its worker URLs, the policy, health checks fast enough for a local
+fleet, and whatever --router-args adds last (so it overrides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+POLICIES = (
+    "cache_aware",
+    "round_robin",
+    "random",
+    "power_of_two",
+    "least_load",
+    "prefix_hash",
+    "consistent_hashing",
+)
+REPLICA_HOST = "127.0.0.1"  # only the router is meant to be reachable
+SMG_METRICS_PORT = 29000  # smg's own default
+
+# Flags the fleet consumes (name -> takes a value); everything else goes to every replica.
+_FLEET_FLAGS = {
+    "--replicas": True,
+    "--router": True,
+    "--router-policy": True,
+    "--replica-port": True,
+    "--router-metrics-port": True,
+    "--router-args": True,
+    "--host": True,
+    "--port": True,
+    "--run-dir": True,
+}
+
+
+def add_fleet_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("fleet: replicas behind a router (docs/fleet.md)")
+    g.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="stoker replicas to run, each a full service set (more than 1 implies --router smg)",
+    )
+    g.add_argument(
+        "--router",
+        choices=["smg"],
+        default=None,
+        help="put the Shepherd Model Gateway (`smg launch`) in front on --host/--port",
+    )
+    g.add_argument(
+        "--router-policy",
+        choices=POLICIES,
+        default="cache_aware",
+        help="smg's routing policy (default: cache_aware)",
+    )
+    g.add_argument(
+        "--replica-port",
+        type=int,
+        default=None,
+        help="first replica's port on 127.0.0.1; the others follow (default: --port + 1)",
+    )
+    g.add_argument(
+        "--router-metrics-port",
+        type=int,
+        default=SMG_METRICS_PORT,
+        help="port of smg's own Prometheus listener (default: 29000)",
+    )
+    g.add_argument(
+        "--router-args",
+        default="",
+        metavar="'FLAGS'",
+        help="more `smg launch` flags, one shell-quoted string, appended last",
+    )
+
+
+def wants_fleet(args: argparse.Namespace) -> bool:
+    return args.replicas > 1 or args.router is not None
+
+
+@dataclass(frozen=True)
+class Replica:
+    index: int
+    port: int
+    run_dir: Path
+    cmd: list[str]
+
+    @property
+    def url(self) -> str:
+        return f"http://{REPLICA_HOST}:{self.port}"
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    replicas: list[Replica]
+    router_cmd: list[str]
+    router_url: str  # where clients connect (loopback form of --host)
+
+
+def replica_argv(argv: list[str]) -> list[str]:
+    """argv without the fleet's flags, in both `--flag value` and `--flag=value` forms."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _FLEET_FLAGS:
+            skip = _FLEET_FLAGS[name] and "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def router_command(
+    args: argparse.Namespace, worker_urls: list[str], python: str = sys.executable
+) -> list[str]:
+    cmd = [python, "-m", "smg", "launch", "--host", args.host, "--port", str(args.port)]
+    cmd += ["--worker-urls", *worker_urls, "--policy", args.router_policy]
+    cmd += [
+        "--health-check-endpoint", "/health",
+        # smg's defaults (every 60 s, 3 failures) suit a cluster; a local fleet should route
+        # around a dead replica, and take a restarted one back, within seconds.
+        "--health-check-interval-secs", "2",
+        "--health-failure-threshold", "2",
+        "--health-success-threshold", "1",
+        # It routes on request text (cache_aware's tree is over characters on the HTTP path),
+        # so it needs no tokenizer; autoload would try the model name on the hub.
+        "--disable-tokenizer-autoload",
+        "--prometheus-host", args.host,  # smg's default is every interface
+        "--prometheus-port", str(args.router_metrics_port),
+        "--shutdown-grace-period-secs", str(max(1, int(args.shutdown_timeout))),
+        "--log-level", "warn",
+    ]  # fmt: skip
+    if args.api_key:  # smg checks it on the data plane and passes it on to the workers
+        cmd += ["--api-key", args.api_key]
+    return cmd + shlex.split(args.router_args)
+
+
+def plan_fleet(
+    args: argparse.Namespace, argv: list[str], run_root: Path, python: str = sys.executable
+) -> FleetPlan:
+    base = args.replica_port if args.replica_port is not None else args.port + 1
+    shared = replica_argv(argv)
+    replicas = []
+    for i in range(args.replicas):
+        port, run_dir = base + i, run_root / f"replica-{i}"
+        cmd = [python, "-m", "services.cli", "serve", *shared]
+        cmd += ["--host", REPLICA_HOST, "--port", str(port), "--run-dir", str(run_dir)]
+        replicas.append(Replica(i, port, run_dir, cmd))
+    urls = [r.url for r in replicas]
+    if args.port in {r.port for r in replicas}:
+        raise ValueError(f"--port {args.port} collides with a replica port ({base}..)")
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    return FleetPlan(replicas, router_command(args, urls, python), f"http://{host}:{args.port}")
+
+
+def check_replica_argv(parse: argparse.ArgumentParser, cmd_tail: list[str]) -> None:
+    """A replica must not start a fleet of its own (an abbreviated fleet flag, say `--rep 2`,
+    is not stripped but would still parse as one)."""
+    replica = parse.parse_args(cmd_tail)
+    if wants_fleet(replica):
+        raise ValueError("spell the fleet flags (--replicas, --router, ...) out in full")

@@ -1,0 +1,160 @@
+"""Run a fleet: N `stoker serve` replicas, then `smg launch` in front, and keep them up.
+
+- The replicas start together; the router starts once they answer /health (smg retries a worker
+  that is not up yet only every 30 s, so starting it first would slow the first request).
+- A replica whose launcher exits (its engine died, say) is started again in the same slot, with
+  a backoff if it keeps dying; meanwhile smg's health checks route around it, and it rejoins when
+  its /health turns green. The router exiting is fatal: everything stops, exit 1.
+- SIGINT / SIGTERM: the router and the replicas are told to stop together (each drains what it
+  has in flight, up to --shutdown-timeout), then anything left is killed; exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.fleet.plan import FleetPlan, check_replica_argv, plan_fleet
+
+READY_TIMEOUT_S = 300.0
+BACKOFF_MAX_S = 30.0
+
+
+@dataclass
+class Member:
+    name: str
+    cmd: list[str]
+    proc: subprocess.Popen
+    started: float
+    backoff_s: float = 0.0
+    restart_at: float | None = None
+    restarts: int = 0
+
+
+def _ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as resp:
+            return resp.status == 200
+    except Exception:
+        return False
+
+
+def _spawn(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    # Own session: a terminal's Ctrl-C reaches the fleet only, which then stops the members.
+    return subprocess.Popen(cmd, env=env, start_new_session=True)
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+
+
+def _log(message: str) -> None:
+    print(f"stoker fleet: {message}", file=sys.stderr, flush=True)
+
+
+def serve_fleet(args: argparse.Namespace, argv: list[str], parser: argparse.ArgumentParser) -> int:
+    if args.router is None:
+        args.router = "smg"
+    run_root = (
+        Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="stoker-fleet-"))
+    )
+    run_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        plan = plan_fleet(args, argv, run_root)
+        check_replica_argv(parser, plan.replicas[0].cmd[4:])
+    except ValueError as e:
+        _log(str(e))
+        return 2
+    env = _env()
+    stopping = False
+
+    def on_signal(signum: int, _frame) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    started = time.monotonic()
+    members = [
+        Member(f"replica-{r.index}", r.cmd, _spawn(r.cmd, env), started) for r in plan.replicas
+    ]
+    exit_code = 0
+    try:
+        exit_code = _run(plan, members, env, started, lambda: stopping)
+    finally:
+        _stop_all(members, args.shutdown_timeout)
+        if not args.run_dir:
+            shutil.rmtree(run_root, ignore_errors=True)
+    return exit_code
+
+
+def _run(
+    plan: FleetPlan, members: list[Member], env: dict[str, str], started: float, stopping
+) -> int:
+    replicas = dict(zip((m.name for m in members), plan.replicas, strict=True))
+    router: Member | None = None
+    announced = False
+    while not stopping():
+        now = time.monotonic()
+        if router is not None and router.proc.poll() is not None:
+            _log(f"router exited with code {router.proc.returncode}")
+            return 1
+        for m in members:
+            if m is not router and m.proc.poll() is not None:
+                _restart(m, now)
+        if router is None:
+            if all(_ok(replicas[m.name].url + "/health") for m in members):
+                router = Member("router", plan.router_cmd, _spawn(plan.router_cmd, env), now)
+                members.append(router)
+            elif now - started > READY_TIMEOUT_S:
+                _log("the replicas did not turn healthy in time")
+                return 1
+        elif not announced and _ok(plan.router_url + "/readiness"):
+            announced = True
+            ports = ", ".join(str(r.port) for r in replicas.values())
+            _log(
+                f"serving on {plan.router_url} via smg, {len(replicas)} replicas on 127.0.0.1 "
+                f"ports {ports} (ready in {now - started:.1f}s)"
+            )
+        time.sleep(0.2)
+    return 0
+
+
+def _restart(m: Member, now: float) -> None:
+    """Start a replica again in its slot; one that keeps dying at once backs off (1, 2, 4 ... 30
+    s). The backoff is a deadline polled by the main loop, so a signal meanwhile acts at once."""
+    if m.restart_at is None:
+        _log(f"{m.name} exited with code {m.proc.returncode}")
+        if now - m.started > BACKOFF_MAX_S:
+            m.backoff_s = 0.0  # it had been running fine
+        m.restart_at = now + m.backoff_s
+    if now < m.restart_at:
+        return
+    m.restart_at = None
+    m.restarts += 1
+    m.backoff_s = min(BACKOFF_MAX_S, m.backoff_s * 2 or 1.0)
+    m.proc = _spawn(m.cmd, _env())
+    m.started = time.monotonic()
+    _log(f"restarted {m.name} (restart {m.restarts})")
+
+
+def _stop_all(members: list[Member], drain_s: float, grace_s: float = 10.0) -> None:
+    for m in members:
+        if m.proc.poll() is None:
+            m.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + drain_s + grace_s
+    for m in members:
+        try:
+            m.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(m.proc.pid, signal.SIGKILL)
+            m.proc.wait()
