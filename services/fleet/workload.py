@@ -14,49 +14,13 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-_WORDS = [
-    "king",
-    "crown",
-    "sword",
-    "castle",
-    "night",
-    "storm",
-    "ghost",
-    "honour",
-    "love",
-    "death",
-    "blood",
-    "night",
-    "sea",
-    "ship",
-    "wind",
-    "father",
-    "daughter",
-    "son",
-    "queen",
-    "lord",
-    "lady",
-    "court",
-    "banquet",
-    "letter",
-    "poison",
-    "dagger",
-    "battle",
-    "field",
-    "tower",
-    "moon",
-    "star",
-    "fortune",
-    "fool",
-    "jest",
-    "masque",
-    "forest",
-    "shepherd",
-    "river",
-    "bridge",
-    "gold",
+_WORDS = (
+    "king", "crown", "sword", "castle", "night", "storm", "ghost", "honour", "love", "death",
+    "blood", "night", "sea", "ship", "wind", "father", "daughter", "son", "queen", "lord", "lady",
+    "court", "banquet", "letter", "poison", "dagger", "battle", "field", "tower", "moon", "star",
+    "fortune", "fool", "jest", "masque", "forest", "shepherd", "river", "bridge", "gold",
     "silver",
-]
+)  # fmt: skip
 
 
 def shared_prefix_prompts(
