@@ -5,30 +5,41 @@ No cluster here: Kubernetes objects are checked against the API's JSON schemas
 (kubernetes-validate, bundled), the ServiceMonitors against the Prometheus Operator CRD's schema
 (vendored in deploy/k8s/schemas), and the container arguments by the real argument parsers of
 `stoker serve` and `smg launch`. The tools come from the `test` extra (pyproject.toml).
+The slow test runs the router's rendered command against a real replica and a stand-in pod API.
 """
 
 from __future__ import annotations
 
 import copy
+import http.server
 import importlib.metadata
+import json
 import os
+import random
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import kubernetes_validate
 import pytest
 import referencing
-import tomllib
 import yaml
 from kubernetes_validate.utils import latest_version, schema_contents
+from openai import OpenAI
 from smg.launch_router import parse_router_args
 
 from services.launcher import build_parser as stoker_serve_parser
+from tests.deploy.procs import alive, children_of, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -109,7 +120,8 @@ def _strict(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = {k: _strict(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out:
+    preserve = out.get("x-kubernetes-preserve-unknown-fields") is True
+    if "properties" in out and "additionalProperties" not in out and not preserve:
         out["additionalProperties"] = False
     return out
 
@@ -140,13 +152,7 @@ def test_every_object_validates_against_its_schema(objs: list[Obj]) -> None:
         ("policy/v1", "PodDisruptionBudget"),
         ("monitoring.coreos.com/v1", "ServiceMonitor"),
     }
-    sm = servicemonitor_validator()
-    for o in objs:
-        if (o["apiVersion"], o["kind"]) in CRD_KINDS:
-            sm.validate(o)
-            continue
-        for version in K8S_VERSIONS:  # SchemaNotFoundError for a kind it does not know: a failure
-            kubernetes_validate.validate(o, version, strict=True)
+    validate_all(objs)  # a kind the bundled schemas do not know fails (SchemaNotFoundError)
 
 
 def test_the_validators_reject_what_a_cluster_would(objs: list[Obj]) -> None:
@@ -222,7 +228,7 @@ def test_engine_service_and_disruption_budget_select_the_replicas(objs: list[Obj
     dep = one(objs, "Deployment", "stoker")
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
     assert subset(dep["spec"]["selector"]["matchLabels"], pod_labels)
-    assert dep["spec"]["replicas"] == 2  # kustomization.yaml's `replicas:`
+    assert dep["spec"]["replicas"] == 2  # base/kustomization.yaml's `replicas:`
 
     svc = one(objs, "Service", "stoker")
     assert svc["spec"]["clusterIP"] == "None"  # one endpoint, and one scrape target, per pod
@@ -315,11 +321,12 @@ def test_router_runs_the_smg_the_repo_pins(objs: list[Obj]) -> None:
     smg pinned there, the one these tests parse the arguments with."""
     c = container(one(objs, "Deployment", "stoker-router"))
     assert c["image"] == container(one(objs, "Deployment", "stoker"))["image"]
-    # pyproject.toml itself, as the Dockerfile reads it (an installed egg-info may be stale).
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    pins = [d for d in deps if re.match(r"smg\s*==", d)]
-    assert pins, f"smg is not a pinned stoker dependency: {deps}"
-    assert pins[0].split("==")[1].split(";")[0].strip() == importlib.metadata.version("smg")
+    # pyproject.toml itself, which the Dockerfile installs from (an egg-info may be stale);
+    # read as text, as a toml parser is not in Python 3.10's standard library.
+    text = (ROOT / "pyproject.toml").read_text()
+    deps = text.split("\ndependencies = [", 1)[1].split("\n]", 1)[0]
+    pins = re.findall(r'^\s*"smg==([^";]+)"', deps, re.MULTILINE)
+    assert pins == [importlib.metadata.version("smg")], f"smg pins in dependencies: {pins}"
 
 
 # ---- metrics -----------------------------------------------------------------------------------
@@ -393,7 +400,9 @@ def test_an_overlay_moves_namespace_replicas_and_image(objs: list[Obj], tmp_path
             {
                 "apiVersion": "kustomize.config.k8s.io/v1beta1",
                 "kind": "Kustomization",
-                "resources": [os.path.relpath(K8S, tmp_path)],  # kustomize wants it relative
+                "resources": [
+                    os.path.relpath(K8S / "base", tmp_path)
+                ],  # kustomize wants it relative
                 "namespace": "inference",
                 "replicas": [{"name": "stoker", "count": 5}],
                 "images": [
@@ -412,3 +421,281 @@ def test_an_overlay_moves_namespace_replicas_and_image(objs: list[Obj], tmp_path
     (binding,) = [o for o in out if o["kind"] == "RoleBinding"]
     assert binding["subjects"][0]["namespace"] == "inference"
     assert router_args(out).service_discovery_namespace == "$(POD_NAMESPACE)"
+
+
+def validate_all(objs: list[Obj]) -> None:
+    sm = servicemonitor_validator()
+    for o in objs:
+        if (o["apiVersion"], o["kind"]) in CRD_KINDS:
+            sm.validate(o)
+        else:
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(o, version, strict=True)
+
+
+def test_cuda_overlay_changes_only_the_engine_container(objs: list[Obj]) -> None:
+    cuda = render(K8S / "overlays" / "cuda")
+    validate_all(cuda)
+    c = container(one(cuda, "Deployment", "stoker"))
+    assert c["image"] == "stoker:cuda"  # docs/deploy.md's tag for the CUDA variant
+    args = stoker_serve_parser().parse_args(c["args"])
+    assert args.device == "cuda"
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1  # extended resources: both, equal
+    # Everything else is the base's: the same probes, ports and arguments but the device,
+    # and the router (no GPU) on the base image.
+    base_c = container(one(objs, "Deployment", "stoker"))
+    same = {"args", "image", "resources"}
+    assert {k: v for k, v in c.items() if k not in same} == {
+        k: v for k, v in base_c.items() if k not in same
+    }
+    assert vars(args) == vars(stoker_args(objs)) | {"device": "cuda"}
+    rest = [o for o in cuda if (o["kind"], o["metadata"]["name"]) != ("Deployment", "stoker")]
+    base_rest = [o for o in objs if (o["kind"], o["metadata"]["name"]) != ("Deployment", "stoker")]
+    assert rest == base_rest
+
+
+# ---- the router's discovery, run for real against a stand-in API server (slow) -----------------
+
+
+class FakeKubeApi:
+    """Answers the calls SMG's pod informer makes (list, then watch) for a fixed set of pods,
+    applying labelSelector as the API server does, and records every request. A stand-in: no
+    Kubernetes API server can run here. The watch stays open, with no events, until close()."""
+
+    def __init__(self, pods: list[Obj]) -> None:
+        self.requests: list[tuple[str, dict[str, list[str]]]] = []
+        self.closing = threading.Event()
+        api = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                url = urllib.parse.urlparse(self.path)
+                query = urllib.parse.parse_qs(url.query)
+                api.requests.append((url.path, query))
+                if query.get("watch", [""])[0] in ("true", "1"):
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    api.closing.wait(300)
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
+                terms = query.get("labelSelector", [""])[0].split(",")
+                selector = dict(t.split("=", 1) for t in terms if t)  # equality terms only
+                items = [p for p in pods if subset(selector, p["metadata"]["labels"])]
+                meta = {"resourceVersion": "7"}
+                body = json.dumps({"kind": "PodList", "apiVersion": "v1", "metadata": meta,
+                                   "items": items}).encode()  # fmt: skip
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.closing.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def pod(name: str, labels: dict[str, str], ip: str, ready: bool, ns: str) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": ns,
+            "uid": f"uid-{name}",
+            "labels": labels,
+            "resourceVersion": "7",
+        },  # fmt: skip
+        "spec": {"containers": [{"name": "c", "image": "stoker:latest"}]},
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+def loopback_ip_with_port(port: int) -> tuple[str, int]:
+    """A loopback address of its own (127.x.y.z) on which `port` is free, so the replica listens
+    where the manifest says (--service-discovery-port); else 127.0.0.1 and a free port."""
+    for _ in range(20):
+        ip = f"127.{random.randrange(1, 255)}.{random.randrange(255)}.{random.randrange(1, 255)}"
+        with socket.socket() as s:
+            try:
+                s.bind((ip, port))
+            except OSError:
+                continue
+        return ip, port
+    return "127.0.0.1", free_port()
+
+
+def expand(args: list[str], env: dict[str, str]) -> list[str]:
+    """$(VAR) as the kubelet expands it in a container's args."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in args]
+
+
+def with_flags(args: list[str], values: dict[str, str]) -> list[str]:
+    out, seen = [], set()
+    for a in args:
+        name = a.split("=", 1)[0]
+        if name in values:
+            a, _ = f"{name}={values[name]}", seen.add(name)
+        out.append(a)
+    assert seen == values.keys(), f"not in the manifest: {values.keys() - seen}"
+    return out
+
+
+def process_tree(pid: int) -> list[int]:
+    return [pid] + [p for kid in children_of(pid) for p in process_tree(kid)]
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    tree = process_tree(proc.pid)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    finally:
+        for pid in process_tree(proc.pid) if proc.poll() is None else []:
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in tree if alive(p)], "processes outlived their parent"
+
+
+def wait_for(check, timeout: float, what: str, procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            assert p.poll() is None, f"{p.args[:4]} exited with {p.returncode} waiting for {what}"
+        if check():
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"{what}: not within {timeout} s")
+
+
+@pytest.mark.slow
+def test_router_discovers_a_real_replica_through_the_pod_api(objs: list[Obj], tmp_path: Path):
+    """The router's container command and arguments, as rendered (listen addresses moved to
+    loopback ports), against a stand-in API server that lists three pods: a Ready engine pod
+    whose IP is a real `stoker serve` started from the engine's arguments (stoker-tiny, which
+    needs no download), an engine pod that is not Ready, and the router's own pod. SMG must
+    register exactly the first, route the openai client's request to it, and make only the
+    API calls its Role allows."""
+    engine = one(objs, "Deployment", "stoker")
+    router = one(objs, "Deployment", "stoker-router")
+    ns = router["metadata"]["namespace"]
+    ip, port = loopback_ip_with_port(stoker_args(objs).port)
+
+    ec = container(engine)
+    serve_args = with_flags(
+        [f"{a}={b}" for a, b in zip(ec["args"][::2], ec["args"][1::2])],
+        {"--model": "stoker-tiny", "--host": ip, "--port": str(port)},
+    )
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    replica = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", *ec["command"][1:], *serve_args],
+        env=env,
+        start_new_session=True,
+    )
+    procs = [replica]
+    engine_labels = engine["spec"]["template"]["metadata"]["labels"]
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
+    api = FakeKubeApi(
+        [
+            pod("stoker-ready", engine_labels, ip, True, ns),
+            pod("stoker-starting", engine_labels, "127.0.0.3", False, ns),
+            pod("stoker-router", router_labels, "127.0.0.4", True, ns),
+        ]
+    )
+    (tmp_path / "kubeconfig").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+                "users": [{"name": "smg", "user": {"token": "not-checked"}}],
+                "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "smg"}}],
+                "current-context": "fake",
+            }
+        )
+    )
+    try:
+        wait_healthy(f"http://{ip}:{port}/health", timeout=240, procs=procs)
+
+        rc = container(router)
+        pod_env = {e["name"]: ns for e in rc["env"]}  # POD_NAMESPACE: metadata.namespace
+        http_port, probe_port, metrics_port = free_port(), free_port(), free_port()
+        args = with_flags(
+            expand(rc["args"], pod_env),
+            {
+                "--host": "127.0.0.1",
+                "--port": str(http_port),
+                "--health-check-port": str(probe_port),
+                "--prometheus-host": "127.0.0.1",
+                "--prometheus-port": str(metrics_port),
+            },
+        )
+        if port != stoker_args(objs).port:
+            args = with_flags(args, {"--service-discovery-port": str(port)})
+        smg = subprocess.Popen(
+            [str(Path(sys.executable).parent / rc["command"][0]), *rc["command"][1:], *args],
+            env=dict(os.environ, KUBECONFIG=str(tmp_path / "kubeconfig")),
+            start_new_session=True,
+        )
+        procs.append(smg)
+        router_url = f"http://127.0.0.1:{http_port}"
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{probe_port}/readiness").status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, 120, "the router's readiness probe", procs)
+        workers = httpx.get(router_url + "/workers").json()["workers"]
+        assert [(w["url"], w["model_id"]) for w in workers] == [
+            (f"http://{ip}:{port}", "stoker-tiny")
+        ]
+
+        client = OpenAI(base_url=router_url + "/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model="stoker-tiny", prompt="To be", max_tokens=4)
+        assert out.usage.completion_tokens == 4
+        assert "smg_" in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+
+        # Every call SMG made is one the Role grants, in its own namespace, with its selector.
+        role = one(objs, "Role", "stoker-router-discovery")
+        granted = {
+            (r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]
+        }
+        assert api.requests
+        for path, query in api.requests:
+            assert path == f"/api/v1/namespaces/{ns}/pods", path
+            verb = "watch" if query.get("watch", [""])[0] in ("true", "1") else "list"
+            assert ("pods", verb) in granted
+            selector = dict(t.split("=", 1) for t in query["labelSelector"][0].split(","))
+            assert selector == router_args(objs).selector
+    finally:
+        api.closing.set()
+        for p in reversed(procs):
+            stop_tree(p)
+        api.close()
