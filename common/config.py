@@ -48,6 +48,14 @@ class EngineConfig:
     # KV-cache events for cache-aware routers (docs/kv-events.md): vLLM's KVEventsConfig as a
     # JSON object, read by the scheduler; None publishes nothing.
     kv_events_config: str | None = None
+    # Tensor parallelism (docs/parallelism.md): ranks in all, over nnodes nodes, rendezvous as
+    # torchrun's (node 0's master_addr:master_port; None: a free port when single-node, else
+    # torchrun's 29500). NCCL on CUDA, gloo on CPU.
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -74,3 +82,12 @@ class EngineConfig:
             self.speculative_model = str(DEFAULT_DRAFT_MODEL)
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
+        tp, nodes = self.tensor_parallel_size, self.nnodes
+        if tp < 1 or nodes < 1 or tp % nodes:
+            raise ValueError(
+                f"tensor_parallel_size {tp} must be a positive multiple of nnodes {nodes}"
+            )
+        if not 0 <= self.node_rank < nodes:
+            raise ValueError(f"node_rank must be in [0, {nodes}), got {self.node_rank}")
+        if tp > 1 and self.null_model:
+            raise ValueError("the null model has nothing to shard: use tensor_parallel_size 1")

@@ -58,6 +58,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--speculative-max-batch", type=int, default=d.speculative_max_batch)
     g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="shard the model over N ranks (NCCL on CUDA, gloo on CPU; docs/parallelism.md)",
+    )
+    # Multi-node rendezvous, named as torchrun's (docs/parallelism.md).
+    g.add_argument("--nnodes", type=int, default=d.nnodes, help="nodes the ranks span")
+    g.add_argument("--node-rank", type=int, default=d.node_rank, help="this node's index")
+    g.add_argument("--master-addr", default=d.master_addr, help="node 0's address")
+    g.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="node 0's rendezvous port (default: a free one on one node, 29500 on several)",
+    )
+    g.add_argument(
         "--kv-events-config",
         type=_kv_events_config,
         default=None,

@@ -71,6 +71,17 @@ class LLM:
         self.tokenizer = load_tokenizer(config.model)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the other ranks now (tensor_parallel_size > 1); they also stop when this object
+        is collected or the process exits."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len

@@ -14,6 +14,9 @@ from common.gguf_file import find_gguf, iter_gguf_tensors
 from common.model_config import ModelConfig, ModelLoadError
 from services.worker.models import model_class
 from services.worker.models.layers import CausalLM, pack_linear_weights
+from services.worker.parallel.comm import Communicator
+from services.worker.parallel.layers import parallelize
+from services.worker.parallel.shard import check_divisible, shard_config, shard_state
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,13 +80,28 @@ def _iter_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(folder: str | Path, dtype: torch.dtype, device: str, max_positions: int) -> CausalLM:
+def load_model(
+    folder: str | Path,
+    dtype: torch.dtype,
+    device: str,
+    max_positions: int,
+    comm: Communicator | None = None,
+) -> CausalLM:
+    """comm: this rank's share of a tensor-parallel model (services/worker/parallel/)."""
     folder = check_model_folder(folder)
     cfg = ModelConfig.from_folder(folder)
+    if comm is not None:
+        check_divisible(cfg, comm.world_size)
     with torch.device("meta"):
-        model = model_class(cfg)(cfg)
+        if comm is None:
+            model = model_class(cfg)(cfg)
+        else:
+            model = model_class(cfg)(shard_config(cfg, comm.world_size))
+            parallelize(model, comm, cfg.vocab_size)
     weights = dict(_iter_tensors(folder))
     state = _Checkpoint(weights, folder).state(cfg)
+    if comm is not None:
+        state = shard_state(state, cfg, comm.shard)
     # A tied checkpoint may still carry lm_head.weight; anything else left over is unexpected.
     weights.pop("lm_head.weight", None)
     leftover = [n for n in weights if "rotary_emb" not in n]

@@ -155,17 +155,17 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         if decoded is not None:
             out[:nd] = decoded
-        for span in meta.prefills:
-            rows = slice(span.start, span.end)
-            if span.block_table is None:
+        for prefill in meta.prefills:
+            rows = slice(prefill.start, prefill.end)
+            if prefill.block_table is None:
                 out[rows] = causal_attention(q[rows], k[rows], v[rows], self.scale, **opts)
             else:
                 out[rows] = paged_prefill_attention(
                     q[rows],
                     key_cache,
                     value_cache,
-                    span.block_table,
-                    span.context_len,
+                    prefill.block_table,
+                    prefill.context_len,
                     self.scale,
                     **opts,
                 )
@@ -232,9 +232,7 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids/positions [T] -> final hidden states [T, hidden]."""
-        hidden = F.embedding(input_ids, self.embed_tokens)
-        if self._embed_scale is not None:
-            hidden = hidden * self._embed_scale
+        hidden = self.embed(input_ids)
         dtype = hidden.dtype
         ropes = [
             (cos[positions].to(dtype), sin[positions].to(dtype)) for cos, sin in self.rope_tables
@@ -243,6 +241,12 @@ class CausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, ropes[layer.attn.rope], kv_cache, meta)
         hidden, _ = add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
+        return hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        if self._embed_scale is not None:
+            hidden = hidden * self._embed_scale
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

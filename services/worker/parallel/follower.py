@@ -1,0 +1,71 @@
+"""A rank other than 0 (`python -m services.worker.parallel.follower`, spawned by ranks.py; or
+the worker process itself on a node other than 0). It runs every plan rank 0 broadcasts,
+exactly as rank 0 does, and answers nobody: its sampled tokens equal rank 0's."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+
+from common.config import EngineConfig
+from common.ipc import plan_decoder
+from common.messages import ProfileControl, SchedulerHello
+from services.worker.parallel.comm import Communicator
+from services.worker.parallel.ranks import (
+    ENV_CONFIG,
+    ENV_LOCAL_RANK,
+    ENV_PARENT,
+    ENV_RANK,
+    ENV_WARM_UP,
+    connect,
+    rank_config,
+)
+
+log = logging.getLogger("stoker.worker")
+
+
+def follow(runner, comm: Communicator) -> None:  # noqa: ANN001 - a ModelRunner
+    """Until rank 0 says stop (or goes away: the broadcast then raises)."""
+    from services.worker.service import forget_requests
+
+    while (raw := comm.recv_bytes()) is not None:
+        msg = plan_decoder.decode(raw)  # rank 0 decoded it already: it is well formed
+        if isinstance(msg, SchedulerHello):
+            forget_requests(runner)
+        elif isinstance(msg, ProfileControl):
+            continue  # only rank 0 profiles
+        else:
+            try:
+                runner.execute(msg)
+            except Exception:  # rank 0 fails the same way on the same plan, and goes on
+                log.exception("step %d failed; dropped", msg.step_id)
+
+
+def main() -> None:
+    logging.basicConfig(level=os.environ.get("STOKER_LOG_LEVEL", "INFO"))
+    if os.getppid() != int(os.environ[ENV_PARENT]):
+        sys.exit(1)  # the parent died before PR_SET_PDEATHSIG took hold
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    raw = json.loads(os.environ[ENV_CONFIG])
+    config = EngineConfig(**{k: v for k, v in raw.items() if k in fields})
+    rank, local_rank = int(os.environ[ENV_RANK]), int(os.environ[ENV_LOCAL_RANK])
+    config = rank_config(config, local_rank)
+    from services.worker.model_runner import ModelRunner
+    from services.worker.warmup import warm_up
+
+    comm = connect(config, rank)
+    runner = ModelRunner(config, comm)
+    if os.environ.get(ENV_WARM_UP) == "1":
+        warm_up(runner)
+    try:
+        follow(runner, comm)
+    except RuntimeError as e:  # gloo/NCCL: rank 0 is gone
+        log.info("rank %d: rank 0 went away (%s); exiting", rank, e)
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
