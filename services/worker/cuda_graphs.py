@@ -177,6 +177,15 @@ class DecodeGraphs:
         started = time.perf_counter()
         free_before, _ = torch.cuda.mem_get_info(self.device)
         pool = torch.cuda.graph_pool_handle()
+        # Tensor parallel: the forward holds NCCL all-reduces, which graphs capture like any
+        # kernel; every rank captures the same sizes in the same order (same config), the
+        # warm-ups below run those collectives for real first (NCCL sets up its channels
+        # outside capture), and thread-local capture keeps NCCL's watchdog thread, which polls
+        # events, from invalidating the capture.
+        comm = getattr(self.model, "comm", None)
+        mode = "global" if comm is None else "thread_local"
+        if comm is not None:
+            comm.barrier()
         # Largest first: the smaller graphs reuse the shared pool's intermediate buffers.
         for size in reversed(self.sizes):
             entry = self._entries[size]
@@ -189,7 +198,7 @@ class DecodeGraphs:
                 self._forward(entry)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                 entry.hidden = self._forward(entry)
             entry.graph = graph
         torch.cuda.synchronize(self.device)

@@ -20,18 +20,39 @@ import zmq
 from common.addresses import Addresses
 from common.config import EngineConfig
 from common.ipc import encoder, plan_decoder
+from common.logs import add_log_format_arg, configure_logging
 from common.messages import ProfileControl, SchedulerHello, WorkerReady
 from common.profiling import Profiler
 from common.telemetry import plan_ipc_time
 from services.engine_args import add_engine_args, engine_config_from_args
 from services.worker.model_runner import ModelRunner
+from services.worker.parallel.follower import follow
+from services.worker.parallel.ranks import Ranks
 from services.worker.warmup import warm_up
 
 log = logging.getLogger("stoker.worker")
 
 
 def run_worker(config: EngineConfig, addresses: Addresses, profile_dir: str | None = None) -> None:
-    runner = ModelRunner(config)
+    if config.tensor_parallel_size == 1:
+        _serve(ModelRunner(config), addresses, profile_dir)
+        return
+    # Tensor parallel (docs/parallelism.md): this process is its node's local rank 0.
+    ranks = Ranks(config, on_rank_exit=_rank_died)
+    try:
+        runner = ModelRunner(ranks.config, ranks.comm)
+        if ranks.leader:
+            _serve(runner, addresses, profile_dir, ranks)
+        else:  # a node other than 0: no sockets, it runs what rank 0 broadcasts
+            warm_up(runner)
+            follow(runner, ranks.comm)
+    finally:
+        ranks.stop()
+
+
+def _serve(
+    runner: ModelRunner, addresses: Addresses, profile_dir: str | None, ranks: Ranks | None = None
+) -> None:
     profiler = Profiler(profile_dir, "worker")
     warm_up(runner)  # before ready: /health turns green only once the first request is fast
     ctx = zmq.Context()
@@ -52,8 +73,10 @@ def run_worker(config: EngineConfig, addresses: Addresses, profile_dir: str | No
             except msgspec.DecodeError:
                 log.exception("dropped a malformed plan")
                 continue
+            if ranks is not None:  # every rank runs every plan and control message
+                ranks.send(raw)
             if isinstance(plan, SchedulerHello):  # a (re)started scheduler: start afresh
-                _forget_requests(runner)
+                forget_requests(runner)
                 results.send(encoder.encode(_ready(runner, plan.incarnation)))
                 log.info("answered scheduler %s", plan.incarnation[:8])
                 continue
@@ -103,7 +126,13 @@ def _ready(runner: ModelRunner, incarnation: str) -> WorkerReady:
     )
 
 
-def _forget_requests(runner: ModelRunner) -> None:
+def _rank_died(pid: int, code: int) -> None:
+    """A rank's collectives would hang or fail from now on: end the worker, a fault the launcher
+    and the scheduler already handle."""
+    os._exit(1)
+
+
+def forget_requests(runner: ModelRunner) -> None:
     """A new scheduler knows none of the old requests, and hands their blocks out afresh."""
     for req_id in list(runner.requests):
         del runner.requests[req_id]
@@ -114,8 +143,9 @@ def _forget_requests(runner: ModelRunner) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="stoker worker", description=__doc__)
     add_engine_args(parser)
+    add_log_format_arg(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("STOKER_LOG_LEVEL", "INFO"))
+    configure_logging("worker", args.log_format)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     run_worker(engine_config_from_args(args), Addresses.from_env(), args.profile_dir)
 
