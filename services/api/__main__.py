@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
+
+from common.logs import add_log_format_arg, configure_logging
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,8 +28,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--profile-dir", default=None, help="turn on POST /start_profile and /stop_profile"
     )
+    add_log_format_arg(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    configure_logging("api", args.log_format, args.log_level)
 
     import uvicorn
 
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         port=args.port,
         loop="uvloop",
         log_level="warning",
+        log_config=None,  # uvicorn's loggers propagate to ours: one format for every line
         access_log=False,
         timeout_graceful_shutdown=3,
     )

@@ -208,6 +208,7 @@ class EngineClient:
         it is safe in `finally` of a cancelled handler."""
         live = [i for i in req_ids if self._untrack(i) is not None]
         if live:
+            log.info("aborted: the client went away", extra={"request_ids": live})
             if count:
                 self.metrics.request_success.labels("abort").inc(len(live))
             now = time.monotonic()
@@ -227,6 +228,7 @@ class EngineClient:
             if track.log is not None:
                 track.log.add(delta)
         if ids:
+            log.warning("failed: %s", message, extra={"request_ids": ids})
             self.metrics.request_success.labels("abort").inc(len(ids))
             # As a client that went away: the scheduler may hold them, or get them later from a
             # tokenizer that was only stalled; release aborts now and tombstones late deltas.
@@ -390,6 +392,13 @@ class EngineClient:
                 track.last = now
                 m.generation_tokens.inc(num_tokens)
             if d.finish_reason is not None:
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug(
+                        "finished (%s) in %.3f s",
+                        d.finish_reason,
+                        now - track.arrival,
+                        extra={"request_id": d.req_id},
+                    )
                 m.e2e.observe(now - track.arrival)
                 m.request_success.labels(d.finish_reason).inc()
                 self._untrack(d.req_id)

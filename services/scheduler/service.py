@@ -13,7 +13,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import os
 import signal
 import sys
 import time
@@ -29,6 +28,7 @@ from zmq.utils.monitor import parse_monitor_message
 from common.addresses import API_ROUTING_ID, Addresses, bind_address
 from common.config import EngineConfig
 from common.ipc import encoder, scheduler_inbound_decoder, worker_outbound_decoder
+from common.logs import add_log_format_arg, configure_logging
 from common.messages import (
     Abort,
     EngineFailure,
@@ -274,14 +274,19 @@ class SchedulerService:
             )
             self.scheduler.add_request(request)
         except ValueError as e:
+            log.info("rejected: %s", e, extra={"request_id": msg.req_id})
             reply = RequestTokens(msg.req_id, b"", finish_reason="abort", error=str(e))
             self._send_batches({routing_id: [reply]})
             return
         self.owners[msg.req_id] = _Owner(routing_id)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("admitted: %d prompt tokens", len(prompt), extra={"request_id": msg.req_id})
 
     def _abort(self, msg: Abort) -> None:
         assert self.scheduler is not None
         replies: dict[bytes, list[RequestTokens]] = collections.defaultdict(list)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("abort (%s)", msg.reason, extra={"request_ids": msg.req_ids})
         for req_id in msg.req_ids:
             if self.scheduler.abort(req_id):
                 owner = self.owners.pop(req_id, None)
@@ -523,8 +528,9 @@ def main(argv: list[str] | None = None) -> None:
         default=60.0,
         help="no step result for this long: fail every request and exit 3",
     )
+    add_log_format_arg(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("STOKER_LOG_LEVEL", "INFO"))
+    configure_logging("scheduler", args.log_format)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     service = SchedulerService(
         engine_config_from_args(args),

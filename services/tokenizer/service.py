@@ -29,6 +29,7 @@ import zmq.asyncio  # noqa: E402
 from common.addresses import Addresses  # noqa: E402
 from common.finish import finish_reason, text_token_ids  # noqa: E402
 from common.ipc import encoder, tokenize_request_decoder, tokenizer_inbound_decoder  # noqa: E402
+from common.logs import add_log_format_arg, configure_logging  # noqa: E402
 from common.messages import (  # noqa: E402
     Abort,
     GenerateRequest,
@@ -104,6 +105,7 @@ class TokenizerService:
             ids = self.tokenize(req)
             check_request(ids, req.params, self.max_model_len, self.vocab_size)
         except Exception as e:  # any tokenizer/template failure is the request's fault
+            log.info("rejected: %s", e, extra={"request_id": req.req_id})
             return TextDelta(req.req_id, "", b"", error=str(e) or type(e).__name__)
         eos = frozenset() if req.params.ignore_eos else self.eos_ids
         packed = pack_ids(ids)
@@ -114,6 +116,8 @@ class TokenizerService:
             packed if req.return_prompt_ids else None,
         )
         self.num_served += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("tokenized: %d prompt tokens", len(ids), extra={"request_id": req.req_id})
         return GenerateRequest(req.req_id, packed, req.params, req.arrival_time)
 
     def detokenize(self, batch: TokenBatch) -> tuple[list[TextDelta], list[str]]:
@@ -127,7 +131,7 @@ class TokenizerService:
             try:
                 delta = self._detokenize_one(state, item)
             except Exception as e:
-                log.exception("detokenizing %s failed", item.req_id)
+                log.exception("detokenizing failed", extra={"request_id": item.req_id})
                 self.requests.pop(item.req_id, None)
                 stopped.append(item.req_id)
                 delta = TextDelta(item.req_id, "", b"", finish_reason="abort", error=str(e))
@@ -254,9 +258,9 @@ def main(argv: list[str] | None = None) -> None:
         "--id", default=None, help="slot name (default: tok-<host>); each process adds its own id"
     )
     parser.add_argument("--max-model-len", type=int, default=None)
+    add_log_format_arg(parser)
     args = parser.parse_args(argv)
-    level = os.environ.get("STOKER_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
+    configure_logging("tokenizer", args.log_format)
     # The slot survives a restart (compose keeps the hostname); the routing id is fresh per
     # process, so a restarted tokenizer is a new incarnation (pid 1 in every container).
     slot = args.id or f"tok-{socket.gethostname()}"
