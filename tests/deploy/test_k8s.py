@@ -415,6 +415,7 @@ def test_an_overlay_moves_namespace_replicas_and_image(objs: list[Obj], tmp_path
     assert {o["metadata"].get("namespace") for o in out if o["kind"] != "Namespace"} == {
         "inference"
     }
+    assert one(out, "Namespace", "inference")  # the Namespace object is renamed too
     assert one(out, "Deployment", "stoker")["spec"]["replicas"] == 5
     for name in ("stoker", "stoker-router"):
         assert container(one(out, "Deployment", name))["image"] == "registry.example/stoker:v1"
