@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "compose.yaml").read_text())
 # The stoker set; services under a profile (monitoring) start only when asked for.
 SERVICES = {k: v for k, v in COMPOSE["services"].items() if "profiles" not in v}
-PROFILED = {k: v for k, v in COMPOSE["services"].items() if "profiles" in v}
+PROFILED = {k: v for k, v in COMPOSE["services"].items() if "monitoring" in v.get("profiles", [])}
+# (the `fleet` profile: tests/deploy/test_compose_fleet.py)
 
 
 def test_structure():
