@@ -90,3 +90,13 @@ def test_prefix_counters_from_metrics_text():
     assert c == PrefixCounters(200.0, 150.0) and c.hit_rate == 0.75
     assert (c - PrefixCounters(100.0, 100.0)).hit_rate == 0.5
     assert PrefixCounters(0.0, 0.0).hit_rate == 0.0
+
+
+def test_router_command_parses_with_smgs_own_parser():
+    from smg.launch_router import parse_router_args
+
+    _, plan = _plan(["--replicas", "3", "--port", "9000", "--router-args", "--cache-threshold 0.5"])
+    args = parse_router_args(plan.router_cmd[4:])
+    assert args.worker_urls == [r.url for r in plan.replicas]
+    assert args.policy == "cache_aware" and args.cache_threshold == 0.5
+    assert args.health_check_endpoint == "/health" and args.health_check_interval_secs == 2
