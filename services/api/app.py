@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from common.messages import ProfileControl, TextDelta
 from services.api import protocol
+from services.api.dashboard_routes import DashboardPage
 from services.api.engine_client import EngineClient
 from services.api.guard import ApiKeyMiddleware
 from services.api.openapi import openapi_document
@@ -432,4 +433,5 @@ def build_app(client: EngineClient, config: ApiConfig, strings: TokenStrings) ->
         app.add_middleware(
             ApiKeyMiddleware, api_key=config.api_key, protect_metrics=config.protect_metrics
         )
+    app.add_middleware(DashboardPage)  # added last, so outermost: the page needs no key
     return app
