@@ -94,10 +94,13 @@ def wait_until(check, timeout: float, what: str, proc: subprocess.Popen | None =
     raise TimeoutError(f"{what} not within {timeout}s")
 
 
-def start_fleet(run_dir: Path, replicas: int, extra: Sequence[str] = ()) -> Fleet:
+def start_fleet(
+    run_dir: Path, replicas: int, extra: Sequence[str] = (), model: str = MODEL, null: bool = True
+) -> Fleet:
     port = free_port_run(replicas + 2)
     metrics_port = port + replicas + 1
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", MODEL, "--null-model"]
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model]
+    cmd += ["--null-model"] if null else []
     cmd += ["--replicas", str(replicas), "--router", "smg", "--port", str(port)]
     cmd += ["--router-metrics-port", str(metrics_port), "--run-dir", str(run_dir), *extra]
     proc = subprocess.Popen(cmd, start_new_session=True)
