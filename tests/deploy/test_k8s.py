@@ -514,6 +514,34 @@ class FakeKubeApi:
         self.server.server_close()
 
 
+class Tripwire:
+    """Listens where a pod the router must not use would serve, and records any request."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.hits: list[str] = []
+        hits = self.hits
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                hits.append(self.path)
+                self.send_response(200)  # healthy-looking: only the pod's status may keep it out
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            do_POST = do_GET
+
+        self.server = http.server.ThreadingHTTPServer((host, port), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 def pod(name: str, labels: dict[str, str], ip: str, ready: bool, ns: str) -> Obj:
     return {
         "apiVersion": "v1",
@@ -621,10 +649,15 @@ def test_router_discovers_a_real_replica_through_the_pod_api(objs: list[Obj], tm
     procs = [replica]
     engine_labels = engine["spec"]["template"]["metadata"]["labels"]
     router_labels = router["spec"]["template"]["metadata"]["labels"]
+    # The unready engine pod's address answers too: only its Ready condition may keep it out.
+    # (The router's own pod is left out by the selector, which the stand-in applies.)
+    unready_ip, unready_port = loopback_ip_with_port(port)
+    assert (unready_port, unready_ip != ip) == (port, True)
+    tripwire = Tripwire(unready_ip, port)
     api = FakeKubeApi(
         [
             pod("stoker-ready", engine_labels, ip, True, ns),
-            pod("stoker-starting", engine_labels, "127.0.0.3", False, ns),
+            pod("stoker-starting", engine_labels, unready_ip, False, ns),
             pod("stoker-router", router_labels, "127.0.0.4", True, ns),
         ]
     )
@@ -683,6 +716,7 @@ def test_router_discovers_a_real_replica_through_the_pod_api(objs: list[Obj], tm
         assert out.usage.completion_tokens == 4
         assert "smg_" in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
 
+        assert not tripwire.hits, f"the router contacted the unready pod: {tripwire.hits}"
         # Every call SMG made is one the Role grants, in its own namespace, with its selector.
         role = one(objs, "Role", "stoker-router-discovery")
         granted = {
@@ -696,6 +730,7 @@ def test_router_discovers_a_real_replica_through_the_pod_api(objs: list[Obj], tm
             selector = dict(t.split("=", 1) for t in query["labelSelector"][0].split(","))
             assert selector == router_args(objs).selector
     finally:
+        tripwire.close()
         api.closing.set()
         for p in reversed(procs):
             stop_tree(p)
