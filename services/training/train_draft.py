@@ -6,6 +6,9 @@ Generates greedy continuations of prompts with stoker's engine, trains the draft
 target's distribution over those and over corpus text, and writes a transformers-loadable
 folder (config, safetensors, the target's tokenizer files, README with the measured top-1
 agreement and expected acceptance length). Interrupted runs resume from `--out/checkpoint`.
+
+`--method eagle` trains an EAGLE head over the target's hidden states instead
+(services/training/eagle.py); `--method distill` (the default) is the above.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 from pathlib import Path
 
 PROG = "stoker train-draft"
+DEFAULT_LR = 2e-3  # distill's; eagle has its own unless --lr is given
 
 
 class UsageError(Exception):
@@ -28,6 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, type=Path, help="target model folder (HF format)")
     p.add_argument("--out", required=True, type=Path, help="output folder (resumed if present)")
+    p.add_argument(
+        "--method",
+        choices=("distill", "eagle"),
+        default="distill",
+        help="distill: an independent small draft model (default); eagle: an EAGLE head over "
+        "the target's hidden states (services/training/eagle.py)",
+    )
+    p.add_argument("--head-layers", type=int, default=1, help="eagle: decoder layers (default 1)")
+    p.add_argument("--device", default="auto", help="eagle: training device (default: cuda if any)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--corpus", type=Path, help="UTF-8 text: prompts, training text, held-out")
     src.add_argument("--prompts", type=Path, help="a text file with one prompt per line")
@@ -40,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=32, help="corpus prompt length")
     p.add_argument("--gen-tokens", type=int, default=96, help="tokens generated per prompt")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=DEFAULT_LR)
     p.add_argument("--generator", choices=("stoker", "transformers"), default="stoker")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     p.add_argument("--keep-checkpoint", action="store_true")
@@ -157,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
         firsts = torch.randint(0, len(tok), (args.num_prompts,), generator=gen).tolist()
         prompts = [([bos] if bos is not None else []) + [t] for t in firsts]
 
+    if args.method == "eagle":
+        return _run_eagle(args, prompts)
     cfg = distill.DistillConfig(
         layers=args.layers,
         hidden=args.hidden,
@@ -177,6 +192,29 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"draft written to {out}: {report.params:,} params, top-1 agreement {agreement}, "
         f"expected accepted tokens (k={distill.SPEC_K}) {report.accept_k4:.2f}"
+    )
+    return 0
+
+
+def _run_eagle(args: argparse.Namespace, prompts: list[list[int]]) -> int:
+    from services.training import eagle
+
+    cfg = eagle.EagleTrainConfig(
+        minutes=None if args.steps else args.minutes,
+        steps=args.steps or 1_000_000,
+        batch_size=args.batch_size,
+        lr=args.lr if args.lr != DEFAULT_LR else eagle.EagleTrainConfig.lr,
+        seed=args.seed,
+        gen_tokens=args.gen_tokens,
+        num_layers=args.head_layers,
+        device=args.device,
+    )
+    report = eagle.run(args.target, args.out, prompts, cfg)
+    command = f"stoker train-draft {shlex.join(sys.argv[1:] if args.argv is None else args.argv)}"
+    (args.out / "README.md").write_text(eagle.card(report, args.target.name, command))
+    print(
+        f"EAGLE head written to {args.out}: {report.params:,} params, expected accepted drafts "
+        f"(k={eagle.SPEC_K}) {report.accept_k:.2f} on held-out prompts"
     )
     return 0
 

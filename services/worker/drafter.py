@@ -92,27 +92,8 @@ class Drafter:
             inputs = build_step_inputs(chunks, self.block_size, self.device, self.decode_chunk)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()
-            batch = SamplingBatch.build(
-                [params[i] for i in active],
-                [[]] * len(active),
-                [[]] * len(active),
-                self.cfg.vocab_size,
-                self.device,
-            )
-            chosen = logits.argmax(dim=-1)
-            if not batch.all_greedy:
-                probs = filtered_probs(logits, batch)
-                noise = torch.empty_like(probs).exponential_(generator=self.generator)
-                for row, i in enumerate(active):
-                    seed = items[i][3].seed
-                    if seed is not None and not params[i].greedy:
-                        # Seeded: the noise the target draws this output position with, so
-                        # the draft proposes what the target picks whenever q is close to p
-                        # (seeded verifies accept a draft iff it equals that pick).
-                        position = items[i][5] + step
-                        noise[row] = seeded_noise(seed, position, noise.shape[-1], self.device)
-                sampled = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
-                chosen = torch.where(batch.greedy, chosen, sampled)
+            rows = [(params[i], items[i][3].seed, items[i][5] + step) for i in active]
+            chosen, probs = choose_drafts(logits, rows, self.generator)
             for row, i in enumerate(active):
                 drafts[i].append(int(chosen[row]))
                 if not params[i].greedy:
@@ -125,6 +106,31 @@ class Drafter:
     def accept(self, req_id: str, num_known_before: int, num_drafts: int, accepted: int) -> None:
         """After verification only the accepted drafts' K/V stay valid."""
         self.computed[req_id] = num_known_before + min(accepted, num_drafts - 1)
+
+
+def choose_drafts(
+    logits: torch.Tensor,
+    rows: list[tuple[SamplingParams, int | None, int]],
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token per row of float logits; rows: (proposal params, the request's seed,
+    its output position). Returns the tokens and, unless all greedy, the distributions q."""
+    batch = SamplingBatch.build(
+        [r[0] for r in rows], [[]] * len(rows), [[]] * len(rows), logits.shape[-1], logits.device
+    )
+    chosen = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return chosen, None
+    probs = filtered_probs(logits, batch)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    for row, (params, seed, position) in enumerate(rows):
+        if seed is not None and not params.greedy:
+            # Seeded: the noise the target draws this output position with, so the draft
+            # proposes what the target picks whenever q is close to p (seeded verifies accept
+            # a draft iff it equals that pick).
+            noise[row] = seeded_noise(seed, position, noise.shape[-1], logits.device)
+    sampled = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
+    return torch.where(batch.greedy, chosen, sampled), probs
 
 
 def _proposal_params(params: SamplingParams) -> SamplingParams:

@@ -24,6 +24,8 @@ from kernels import cpu_ops
 from services.worker.cpu_tuning import keep_freed_memory
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from services.worker.drafter import Drafter
+from services.worker.eagle.config import is_eagle_head
+from services.worker.eagle.proposer import EagleProposer, refuse_tensor_parallel
 from services.worker.forward_timer import ForwardTimer
 from services.worker.kv_sizing import (
     GIB,
@@ -97,18 +99,22 @@ class ModelRunner:
         # The model's own (per-rank under tensor parallelism) head counts pick the decode path.
         shapes = self.model_cfg if self.model is None else self.model.cfg
         self.decode_chunk = max_decode_chunk(self.device, self.dtype, shapes)
-        self.drafter: Drafter | None = None
+        self.drafter: Drafter | EagleProposer | None = None
+        self.eagle: EagleProposer | None = None  # the drafter, when it is an EAGLE head
         if config.speculative == "draft" and not config.null_model:
             assert config.speculative_model is not None
-            self.drafter = Drafter(
-                config.speculative_model,
-                self.model_cfg,
-                self.block_size,
-                self.dtype,
-                self.device,
-                self.max_model_len,
-                seed=config.seed,
-            )
+            args = (self.block_size, self.dtype, self.device, self.max_model_len)
+            if is_eagle_head(config.speculative_model):  # docs/speculation.md, EAGLE
+                if comm is not None:
+                    refuse_tensor_parallel(config.speculative_model)
+                assert self.model is not None
+                self.drafter = self.eagle = EagleProposer(
+                    config.speculative_model, self.model, self.model_cfg, *args, seed=config.seed
+                )
+            else:
+                self.drafter = Drafter(
+                    config.speculative_model, self.model_cfg, *args, seed=config.seed
+                )
         capture = self.device.type == "cuda" and not config.enforce_eager and self.model is not None
         if config.num_kv_blocks:
             self.num_blocks, source = config.num_kv_blocks, "--num-kv-blocks"
@@ -265,9 +271,18 @@ class ModelRunner:
         t1 = time.perf_counter()
         logits = None
         if self.model is not None:
+            # Eager forwards tap the layers an EAGLE head reads (graph-captured ones do not).
+            eagle = self.eagle if inputs is not None else None
+            if eagle is not None:
+                self.model.tap_layers, self.model.taps = eagle.tap_layers, []
             self.forward_timer.start()
             with span("forward"):
                 logits = self._forward(graphs, inputs, chunks, sampled)
+                if eagle is not None:
+                    self.model.tap_layers = ()
+                    req_ids = [i.state.req_id for i in scheduled]
+                    eagle.record(chunks, req_ids, self.model.taps, self.decode_chunk)
+                    self.model.taps = []
             self.forward_timer.stop()
         t2 = time.perf_counter()
         with span("sample"):

@@ -194,6 +194,9 @@ class CausalLM(nn.Module):
     deferred into the next norm (add_rms_norm), so the stream is hidden + residual."""
 
     embed_scale: float | None = None  # Gemma multiplies the embeddings by sqrt(hidden)
+    # Layers whose outputs (the residual stream) a forward appends to `taps`: set by the runner
+    # around eager forwards when an EAGLE head is loaded (services/worker/eagle/), else empty.
+    tap_layers: tuple[int, ...] = ()
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -205,6 +208,7 @@ class CausalLM(nn.Module):
         self.rope_tables: list[Rope] = []
         self.packed_lm_head: torch.Tensor | None = None
         self._embed_scale: torch.Tensor | None = None
+        self.taps: list[torch.Tensor] = []
 
     def make_layer(self, cfg: ModelConfig, layer: int) -> nn.Module:
         raise NotImplementedError
@@ -238,8 +242,11 @@ class CausalLM(nn.Module):
             (cos[positions].to(dtype), sin[positions].to(dtype)) for cos, sin in self.rope_tables
         ]
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        taps = self.tap_layers
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden, residual = layer(hidden, residual, ropes[layer.attn.rope], kv_cache, meta)
+            if taps and i in taps:  # an EAGLE head reads these layers' outputs
+                self.taps.append(hidden + residual)
         hidden, _ = add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)
         return hidden
 

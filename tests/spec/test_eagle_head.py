@@ -1,0 +1,111 @@
+"""The EAGLE head's pieces, without the engine: the worker's chain of drafts is what training's
+unrolled test predicts, the feature rows line up with build_step_inputs' layout, and folders
+that do not fit the target are refused."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from common.model_config import ModelConfig, ModelLoadError
+from common.sampling_params import SamplingParams
+from services.engine import LLM
+from services.training.eagle_net import EagleNet
+from services.worker.eagle.config import EagleConfig, default_target_layers, is_eagle_head
+from services.worker.eagle.proposer import EagleProposer, chunk_rows
+from services.worker.loader import load_model
+from services.worker.step_inputs import Chunk, build_step_inputs
+from tests.factory import make_model
+from tests.spec.eagle_heads import make_head
+
+CPU = torch.device("cpu")
+BLOCK = 8
+
+
+def _kv(cfg: ModelConfig, blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (blocks, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+
+
+@pytest.mark.parametrize("arch, extra", [("llama", {}), ("qwen3", {"head_dim": 32})])
+def test_worker_chain_is_what_training_unrolls(tmp_path: Path, arch: str, extra: dict) -> None:
+    """Prefill, record the taps, propose k = 4 greedily; then feed prompt + drafts to the
+    training module's unroll: its step j at the chain's row must predict draft j + 1. So the
+    training-time test trains exactly what the worker runs (features, positions, masks)."""
+    target_dir = make_model(tmp_path / "t", arch, num_layers=4, **extra)
+    head_dir = make_head(target_dir, tmp_path / "h", seed=3)
+    cfg = ModelConfig.from_folder(target_dir)
+    target = load_model(target_dir, torch.float32, "cpu", 256)
+    prop = EagleProposer(head_dir, target, cfg, BLOCK, torch.float32, CPU, 256)
+    prop.allocate_kv(16, torch.zeros)
+    kv, blocks = _kv(cfg, 16), list(range(16))
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, 500) for _ in range(21)]
+
+    def forward(chunk: Chunk) -> torch.Tensor:
+        inputs = build_step_inputs([chunk], BLOCK, CPU, 1)
+        target.tap_layers, target.taps = prop.tap_layers, []
+        hidden = target(inputs.input_ids, inputs.positions, kv, inputs.meta)
+        prop.record([chunk], ["r"], target.taps, 1)
+        target.tap_layers = ()
+        return target.compute_logits(hidden[inputs.sample_rows])
+
+    first = int(forward(Chunk(prompt, 0, blocks, 1)).argmax())
+    known = prompt + [first]
+    greedy = SamplingParams(temperature=0.0)
+    [(drafts, q)] = prop.propose([("r", known, blocks, greedy, 4, 1)])
+    assert q is None and len(drafts) == 4
+
+    # The training side: the target's taps over known + drafts, recomputed from scratch.
+    seq = known + drafts[:3]
+    inputs = build_step_inputs([Chunk(seq, 0, blocks, 0)], BLOCK, CPU, 1)
+    target.tap_layers, target.taps = prop.tap_layers, []
+    target(inputs.input_ids, inputs.positions, _kv(cfg, 16), inputs.meta)
+    taps = torch.cat(target.taps, -1)[None]
+    target.tap_layers = ()
+    net = EagleNet(prop.cfg)
+    net.load_state_dict(load_file(str(head_dir / "model.safetensors")))
+    with torch.no_grad():
+        embeds = target.embed(torch.tensor(seq))[None]
+        outs = net.unroll(embeds, taps, 4)
+    s = len(known) - 1  # the chain starts at the last known token
+    trained = [int(target.compute_logits(outs[j][0, s + j]).argmax()) for j in range(4)]
+    assert trained == drafts
+
+
+def test_chunk_rows_follow_build_step_inputs() -> None:
+    rng = random.Random(1)
+    chunks = [
+        Chunk([rng.randrange(500) for _ in range(n)], s, list(range(8)), 1)
+        for n, s in ((20, 0), (1, 9), (5, 3), (17, 4), (3, 0))
+    ]
+    for decode_chunk in (1, 4, 16):
+        inputs = build_step_inputs(chunks, BLOCK, CPU, decode_chunk)
+        ids = inputs.input_ids.tolist()
+        for chunk, (first, last) in zip(chunks, chunk_rows(chunks, decode_chunk)):
+            assert ids[first:last] == chunk.token_ids
+
+
+def test_default_layers_are_low_middle_high() -> None:
+    assert default_target_layers(30) == (1, 14, 26)  # SmolLM2-135M
+    assert default_target_layers(2) == (0, 1)
+    assert all(0 <= i < n for n in range(1, 9) for i in default_target_layers(n))
+
+
+def test_heads_that_do_not_fit_the_target_are_refused(tmp_path: Path) -> None:
+    target = make_model(tmp_path / "t", "llama")
+    other = make_model(tmp_path / "o", "llama", vocab_size=384)
+    head = make_head(other, tmp_path / "h")
+    assert is_eagle_head(head) and not is_eagle_head(target)
+    with pytest.raises(ModelLoadError, match="vocab"):
+        LLM(str(target), num_kv_blocks=64, speculative_model=str(head))
+    raw = json.loads((head / "config.json").read_text())
+    raw.update(vocab_size=512, target_layers=[0, 7])
+    (head / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="reads layers"):
+        EagleConfig.from_folder(head).check_target(ModelConfig.from_folder(target), head)
