@@ -11,14 +11,17 @@ tokens). n-gram speculation runs in the serve test and in the other families, he
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 
+from common.model_config import ModelLoadError
 from common.sampling_params import SamplingParams
 from services.engine import LLM
 from tests.engine.test_family_exactness import FAMILIES
 from tests.factory import make_model
+from tests.parallel.procs import rank_processes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True)
@@ -78,3 +81,10 @@ def test_two_ranks_equal_one(name, tmp_path):
         llm.close()
     assert all(p.returncode is not None for p in procs), "ranks outlived close()"
     assert got == want
+
+
+def test_a_model_that_does_not_split_is_refused_before_any_rank_starts(tmp_path):
+    path = make_model(tmp_path / "model", "llama")  # 4 heads, 2 KV heads
+    with pytest.raises(ModelLoadError, match="does not divide the model's 4 attention heads"):
+        LLM(str(path), tensor_parallel_size=3)
+    assert not rank_processes(os.getpid()), "no rank should have been started"

@@ -8,27 +8,18 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 from openai import OpenAI
 
 from common.sampling_params import SamplingParams
 from services.engine import LLM
-from tests.deploy.procs import alive, children_of
+from tests.deploy.procs import alive
 from tests.factory import make_model
+from tests.parallel.procs import rank_processes
 from tests.reliability.serve import Served
 
 PROMPTS = ["To be or not to be", "def add(a, b):", "To be or not to be, that is"]
 FLAGS = ["--num-kv-blocks", "64", "--block-size", "8", "--speculative", "ngram"]
-
-
-def _ranks(worker: int) -> list[int]:
-    out = []
-    for pid in children_of(worker):
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if b"services.worker.parallel.follower" in cmd:
-            out.append(pid)
-    return out
 
 
 def test_serve_two_ranks_matches_one_and_ranks_die_with_the_worker(tmp_path):
@@ -40,7 +31,7 @@ def test_serve_two_ranks_matches_one_and_ranks_die_with_the_worker(tmp_path):
     server = Served(model, tmp_path / "run", tmp_path / "log", *FLAGS, "-tp", "2")
     try:
         (worker,) = server.child("worker")
-        (rank1,) = _ranks(worker)
+        (rank1,) = rank_processes(worker)
         client = OpenAI(base_url=f"{server.url}/v1", api_key="unused")
         body = dict(max_tokens=16, temperature=0.0, extra_body={"ignore_eos": True})
         got = []

@@ -25,7 +25,10 @@ from collections.abc import Callable
 import torch
 
 from common.config import EngineConfig
+from common.model_config import ModelConfig
+from services.worker.loader import check_model_folder
 from services.worker.parallel.comm import Communicator
+from services.worker.parallel.shard import check_divisible
 
 log = logging.getLogger("stoker.worker")
 TORCHRUN_PORT = 29500
@@ -71,6 +74,9 @@ class Ranks:
         """warm_up: whether rank 0 runs services/worker/warmup.py (the others then do too, as
         its steps are collectives)."""
         tp, nodes = config.tensor_parallel_size, config.nnodes
+        # Refused here, before any rank starts: a rank that failed this alone would leave the
+        # others waiting at the rendezvous.
+        check_divisible(ModelConfig.from_folder(check_model_folder(config.model)), tp)
         if config.master_port is None:
             port = _free_port() if nodes == 1 else TORCHRUN_PORT
             config = dataclasses.replace(config, master_port=port)
