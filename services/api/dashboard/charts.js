@@ -123,8 +123,9 @@ class LineChart {
     ctx.textAlign = "center";
     ctx.textBaseline = "top";
     ctx.fillStyle = "#8b949e";
-    for (const back of [this.spanS, (this.spanS * 2) / 3, this.spanS / 3, 0]) {
-      const label = back === 0 ? "now" : `-${Math.round(back / 60) >= 1 ? `${(back / 60).toFixed(0)}m` : `${back}s`}`;
+    const tick = [5, 10, 15, 30, 60, 120, 300, 600, 900].find((s) => this.spanS / s <= 5) || 1800;
+    for (let back = 0; back <= this.spanS; back += tick) {
+      const label = back === 0 ? "now" : back % 60 === 0 ? `-${back / 60}m` : `-${back}s`;
       ctx.fillText(label, Math.min(Math.max(x(now - back), PAD.left + 10), w - PAD.right - 12), h - PAD.bottom + 5);
     }
     // Stacked areas are filled top series first, so each lower one paints over the one above.

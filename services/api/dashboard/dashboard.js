@@ -10,6 +10,7 @@
   const params = new URLSearchParams(location.search);
   const intervalMs = clamp(Number(params.get("interval")) || 1000, 200, 60000);
   let windowS = clamp(Number(params.get("window")) || 5, 1, 600);
+  const spanS = clamp(Number(params.get("span")) || 300, 10, 3600);  // the charts' time axis
   // Relative to the page, so a proxy that serves the api under a path prefix still works.
   const metricsUrl = `${location.pathname.replace(/\/dashboard\/?$/, "")}/metrics`;
   const KEY = "stoker-api-key";
@@ -26,8 +27,10 @@
   window.stokerDashboard = STATE;
 
   const $ = (id) => document.getElementById(id);
-  const chart = (id, options) => new LineChart($(`chart-${id}`), $(`legend-${id}`), options);
-  const WORKER_PARTS = [["worker_prepare", "prepare"], ["worker_forward", "forward"],
+  const chart = (id, options) => new LineChart($(`chart-${id}`), $(`legend-${id}`), { spanS, ...options });
+  // The worker's wall time per step. Its forward part is the host's side of it where the server
+  // exports that (on CUDA the device runs on while the host goes on to sampling, which waits).
+  const WORKER_PARTS = [["worker_prepare", "prepare"], ["worker_forward_wall", "forward"],
     ["worker_sample", "sample"], ["worker_idle", "idle"]];
   const HOST_PARTS = [["schedule", "schedule"], ["plan_encode", "plan encode"],
     ["plan_ipc", "plan IPC"], ["result_ipc", "result IPC"], ["update", "update"]];
@@ -48,8 +51,8 @@
     tokenizers: chart("tokenizers", { unit: "req/s", series: [] }),
     forward: chart("forward", { unit: "ms", series: [{ key: "step_worker_forward", label: "device" },
       { key: "step_worker_forward_host", label: "host" }] }),
-    batch: chart("batch", { series: [{ key: "batch_tokens", label: "tokens" },
-      { key: "batch_requests", label: "requests" }] }),
+    batch: chart("batch", { series: [{ key: "batch_tokens", label: "batch tokens" },
+      { key: "batch_requests", label: "batch requests" }] }),
   };
   const positions = new BarChart($("chart-spec-pos"), { unit: "%", yMax: 100 });
 
@@ -80,12 +83,20 @@
       const observed = M.bucketDelta(M.buckets(a, family), M.buckets(b, family));
       for (const q of [50, 90, 99]) out[`${key}_p${q}`] = 1000 * M.quantile(q / 100, observed);
     }
-    for (const [name] of [...WORKER_PARTS, ...HOST_PARTS, ["worker_forward_host"]]) {
+    const timed = ["worker_prepare", "worker_forward", "worker_forward_host", "worker_sample",
+      "worker_idle", ...HOST_PARTS.map(([name]) => name)];
+    for (const name of timed) {
       const family = `stoker:step_${name}_seconds`;
       const n = inc(`${family}_count`);
       out[`step_${name}`] = n > 0 ? (1000 * inc(`${family}_sum`)) / n : NaN;
     }
     STATE.forward = b.samples.has("stoker:step_worker_forward_host_seconds_count");
+    const forward = STATE.forward ? "worker_forward_host" : "worker_forward";
+    out.step_worker_forward_wall = out[`step_${forward}`];
+    // The device's share of the worker's wall time while it had work (docs/observability.md).
+    const wall = ["worker_idle", "worker_prepare", forward, "worker_sample"]
+      .reduce((sum, name) => sum + inc(`stoker:step_${name}_seconds_sum`), 0);
+    out.fed = STATE.forward && wall > 0 ? (100 * inc("stoker:step_worker_forward_seconds_sum")) / wall : NaN;
     for (const name of ["batch_tokens", "batch_requests"]) {
       const n = inc(`stoker:step_${name}_count`);
       out[name] = n > 0 ? inc(`stoker:step_${name}_sum`) / n : NaN;
@@ -121,7 +132,7 @@
     positions.draw(posKeys.map((k) => ({ label: `#${k.slice(9)}`, value: values[k] })));
     $("panel-spec").classList.toggle("off", !STATE.spec);
     $("panel-forward").classList.toggle("off", !STATE.forward);
-    $("forward-note").textContent = STATE.forward ? ""
+    $("forward-note").textContent = STATE.forward ? `device fed share ${formatValue(values.fed, "%")}`
       : "this server does not export the forward-pass split (stoker:step_worker_forward_host_seconds)";
     $("spec-note").textContent = STATE.spec
       ? `mean tokens per verify step ${formatValue(values.spec_len)}`
