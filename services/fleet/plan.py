@@ -41,6 +41,10 @@ _FLEET_FLAGS = {
 }
 
 
+# Flags naming a port or a file that N replicas cannot share.
+_ONE_PER_HOST = ("master_port", "kv_events_config", "log_requests")
+
+
 def add_fleet_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("fleet: replicas behind a router (docs/fleet.md)")
     g.add_argument(
@@ -148,6 +152,12 @@ def router_command(
 def plan_fleet(
     args: argparse.Namespace, argv: list[str], run_root: Path, python: str = sys.executable
 ) -> FleetPlan:
+    clash = [f"--{f.replace('_', '-')}" for f in _ONE_PER_HOST if getattr(args, f, None)]
+    if args.replicas > 1 and clash:
+        raise ValueError(
+            f"{', '.join(clash)}: every replica would bind or write the same place; "
+            "run the replicas by hand, each with its own, behind `smg launch` (docs/fleet.md)"
+        )
     base = args.replica_port if args.replica_port is not None else args.port + 1
     shared = replica_argv(argv)
     replicas = []

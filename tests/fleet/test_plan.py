@@ -100,3 +100,13 @@ def test_router_command_parses_with_smgs_own_parser():
     assert args.worker_urls == [r.url for r in plan.replicas]
     assert args.policy == "cache_aware" and args.cache_threshold == 0.5
     assert args.health_check_endpoint == "/health" and args.health_check_interval_secs == 2
+
+
+@pytest.mark.parametrize(
+    "flag",
+    [["--master-port", "29501"], ["--log-requests", "/tmp/log"], ["--kv-events-config", "{}"]],
+)
+def test_flags_replicas_cannot_share_are_refused(flag):
+    with pytest.raises(ValueError, match="same place"):
+        _plan(["--replicas", "2", *flag])
+    _plan(["--replicas", "1", "--router", "smg", *flag])  # one replica: fine
