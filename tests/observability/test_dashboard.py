@@ -45,7 +45,7 @@ FLAGS = ["--num-kv-blocks", "128", "--max-model-len", "256", "--tokenizers", "2"
 # step histograms may still hold the worker's warm-up).
 REQUEST_SERIES = ["out_tok_s", "req_s", "prompt_tok_s", "ttft_p50", "itl_p50",
                   "tokenizer:tok-0", "tokenizer:tok-1"]  # fmt: skip
-MOVED = [*REQUEST_SERIES, "step_worker_forward", "step_schedule", "running"]
+MOVED = [*REQUEST_SERIES, "step_worker_forward", "step_schedule", "running", "kv_usage"]
 
 
 @pytest.fixture(scope="module")
