@@ -5,13 +5,16 @@ raises no console or page error, and its charts move under real traffic from the
 Its Prometheus-text parser is checked in the browser against prometheus_client's own parser.
 
 scripts/setup.sh installs chromium; without it (a machine where setup could not run apt) the
-module is skipped and says why.
+browser tests are skipped and say why. The page's assembly is checked without a browser.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import math
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -21,14 +24,14 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.api.dashboard_routes import render_page
 from tests.factory import make_model
 from tests.reliability.serve import Served
 
 CHROMIUM = "/usr/bin/chromium"
-pytestmark = pytest.mark.skipif(
+needs_chromium = pytest.mark.skipif(
     not os.access(CHROMIUM, os.X_OK), reason=f"{CHROMIUM} is missing (scripts/setup.sh installs it)"
 )
-sync_api = pytest.importorskip("playwright.sync_api")
 
 # What the probe on these machines found headless Chromium needs (no sandbox as root in a
 # container, no GPU, nothing reaching out to the network).
@@ -59,6 +62,7 @@ def served(tmp_path_factory):
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     profile = tmp_path_factory.mktemp("chromium-profile")  # a fresh --user-data-dir
+    sync_api = pytest.importorskip("playwright.sync_api")
     with sync_api.sync_playwright() as p:
         context = p.chromium.launch_persistent_context(
             str(profile), executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
@@ -94,12 +98,26 @@ class Page:
         return self.errors + [m for m in self.console if m.startswith(("error", "warning"))]
 
 
+def test_page_inlines_its_assets_under_a_hash_csp() -> None:
+    html, csp = render_page()
+    page = html.decode()
+    scripts = re.findall(r"<script>(.*?)</script>", page, re.S)
+    styles = re.findall(r"<style>(.*?)</style>", page, re.S)
+    assert len(scripts) == 3 and len(styles) == 1  # metrics.js, charts.js, dashboard.js; the css
+    for body in scripts + styles:
+        digest = base64.b64encode(hashlib.sha256(body.encode()).digest()).decode()
+        assert f"'sha256-{digest}'" in csp
+    assert "data-inline" not in page and "unsafe" not in csp and "connect-src 'self'" in csp
+    assert not re.search(r"""(src|href)=["'](?!data:)""", page)  # nothing else to load
+    assert "http://" not in page and "https://" not in page
+
+
+@needs_chromium
 def test_page_is_served_without_the_key_and_asks_for_it(served, browser) -> None:
     r = httpx.get(f"{served.url}/dashboard")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     csp = r.headers["content-security-policy"]
     assert "connect-src 'self'" in csp and "unsafe-inline" not in csp
-    assert "<script src" not in r.text and "http://" not in r.text and "https://" not in r.text
     assert httpx.get(f"{served.url}/metrics").status_code == 401  # --protect-metrics
     assert httpx.post(f"{served.url}/dashboard").status_code == 405
 
@@ -121,6 +139,7 @@ def _rows(samples: list) -> list[tuple[str, list, float]]:
     return sorted((name, sorted(labels.items()), float(value)) for name, labels, value in samples)
 
 
+@needs_chromium
 def test_parser_agrees_with_prometheus_client(served, browser) -> None:
     tab = Page(browser, f"{served.url}/dashboard?interval=60000#key={KEY}")
     tab.wait("window.stokerDashboard.scrapes >= 1")
@@ -192,6 +211,7 @@ def _traffic(url: str, stop: threading.Event, worker: int) -> None:
         i += 1
 
 
+@needs_chromium
 def test_charts_move_under_traffic(served, browser, tmp_path) -> None:
     tab = Page(browser, f"{served.url}/dashboard?interval=250&window=2#key={KEY}")
     assert "key=" not in tab.page.url  # taken out of the address bar
