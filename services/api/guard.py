@@ -1,7 +1,8 @@
 """Access control: `--api-key` as an ASGI middleware in front of every route.
 
-Every path needs `Authorization: Bearer KEY` except /health (for probes) and /metrics (unless
---protect-metrics). The comparison is constant-time (hmac.compare_digest), so the response time
+Every path needs `Authorization: Bearer KEY` except /health (for probes), /metrics (unless
+--protect-metrics), and /dashboard, which is served ahead of this middleware: the page holds no
+data, and with --protect-metrics it asks for the key to read /metrics with. The comparison is constant-time (hmac.compare_digest), so the response time
 says nothing about how much of a guessed key was right.
 """
 
