@@ -6,6 +6,11 @@ n-gram. Outputs are checked to be identical to the non-speculative run. Also swe
 size to show where speculation stops paying (the adaptive cut-off). Writes JSON results.
 
     .venv/bin/python benchmarks/speculative.py [--max-tokens 128]
+
+With an EAGLE head (docs/speculation.md) an `eagle` arm joins, and a chat workload (held-out
+questions through the model's chat template) runs when the tokenizer has one:
+
+    .venv/bin/python benchmarks/speculative.py --model smollm2 --eagle /tmp/smollm2-eagle --no-draft
 """
 
 from __future__ import annotations
@@ -33,6 +38,28 @@ MODES = {
     "ngram": {"speculative": "ngram"},
     "draft": {"speculative": "draft"},
 }
+# Not in any training prompt file of this repo: held out for heads trained by train-draft.
+CHAT_PROMPTS = [
+    "What are three good habits for writing clear emails?",
+    "Explain in a few sentences why the sky looks blue.",
+    "Give me a short recipe for a vegetable soup.",
+    "How do I reverse a list in Python?",
+    "What is the difference between weather and climate?",
+    "Suggest a name for a small bakery and explain it.",
+    "Why do we have leap years?",
+    "Write a haiku about a quiet morning.",
+]
+
+
+def chat_prompts(llm: LLM) -> list[list[int]] | None:
+    tok = llm.tokenizer
+    if not getattr(tok, "chat_template", None):
+        return None
+    out = []
+    for q in CHAT_PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
 
 
 def run(llm: LLM, prompts: list, batch: int, params: SamplingParams) -> tuple[float, list]:
@@ -58,24 +85,36 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="target (name or folder)")
+    ap.add_argument("--eagle", help="an EAGLE head folder for --model: adds the eagle arm")
+    ap.add_argument("--no-draft", action="store_true", help="skip the bundled draft's arm")
     a = ap.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
+    modes = {m: o for m, o in MODES.items() if not (a.no_draft and m == "draft")}
+    if a.eagle:
+        modes["eagle"] = {"speculative_model": a.eagle}
     engines = {
         mode: LLM(
-            DEFAULT_MODEL,
+            a.model,
             num_speculative_tokens=a.k,
             speculative_adaptive=False,  # measure speculation itself; adaptivity is swept below
             **opts,
         )
-        for mode, opts in MODES.items()
+        for mode, opts in modes.items()
     }
     copy_prompts = copy_heavy_prompts(engines["none"], a.max_tokens)
-    results: dict = {"model": str(DEFAULT_MODEL), "draft": str(DEFAULT_DRAFT_MODEL), "k": a.k}
-    for workload, prompts in (("shakespeare", PROMPTS), ("copy-heavy", copy_prompts)):
+    results: dict = {"model": a.model, "draft": str(DEFAULT_DRAFT_MODEL), "k": a.k}
+    if a.eagle:
+        results["eagle"] = a.eagle
+    workloads = [("shakespeare", PROMPTS), ("copy-heavy", copy_prompts)]
+    chat = chat_prompts(engines["none"])
+    if chat is not None:
+        workloads.insert(1, ("chat", chat))
+    for workload, prompts in workloads:
         for batch in (1, 8):
             base_tps, base_ids = None, None
             for mode, llm in engines.items():
-                if workload == "copy-heavy" and mode == "draft":
+                if workload == "copy-heavy" and mode in ("draft", "eagle"):
                     continue
                 llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm
                 before = _spec_counts(llm)
@@ -94,14 +133,15 @@ def main() -> None:
                 print(f"{workload:12s} batch {batch}  {mode:6s} {row}", flush=True)
 
     # Where does speculation stop paying? Draft mode with adaptivity off, by batch size.
+    swept = "eagle" if "eagle" in engines else "draft" if "draft" in engines else None
     sweep = {}
-    for batch in (1, 2, 4, 8, 16):
+    for batch in (1, 2, 4, 8, 16) if swept else ():
         prompts = (PROMPTS * 4)[: max(batch, 8)]
         base, _ = run(engines["none"], prompts, batch, params)
-        spec, _ = run(engines["draft"], prompts, batch, params)
+        spec, _ = run(engines[swept], prompts, batch, params)
         sweep[batch] = round(spec / base, 2)
-        print(f"sweep batch {batch:3d}: draft speedup {sweep[batch]}x", flush=True)
-    results["draft_speedup_by_batch"] = sweep
+        print(f"sweep batch {batch:3d}: {swept} speedup {sweep[batch]}x", flush=True)
+    results[f"{swept}_speedup_by_batch"] = sweep
     print("wrote", write_result("speculative", results))
 
 

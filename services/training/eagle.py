@@ -72,6 +72,9 @@ class EagleReport:
     top1_step: list[float]  # per unrolled step: top-1 agreement with the target's argmax
     final_loss: float
     curve: list[tuple[float, float]]  # (training minutes, held-out accept_k)
+    # Served: stoker's engine with the saved head, greedy, k = SPEC_K fixed, held-out prompts.
+    engine_per_position: list[float] = dataclasses.field(default_factory=list)
+    engine_accept_k: float = 0.0
 
 
 @dataclasses.dataclass
@@ -319,6 +322,9 @@ def run(
     at_least, top1, starts = chain_acceptance(net, embed, lm_head, held, device, SPEC_K)
     curve.append((train_s / 60, sum(at_least)))
     save_head(out_dir, head_raw, net)
+    engine_pos, engine_accept = engine_acceptance(
+        target_dir, out_dir, prompts[N:], cfg.gen_tokens, device
+    )
     return EagleReport(
         params=sum(p.numel() for p in net.parameters()),
         target_layers=list(layers),
@@ -334,7 +340,34 @@ def run(
         top1_step=top1,
         final_loss=loss_value,
         curve=curve,
+        engine_per_position=engine_pos,
+        engine_accept_k=engine_accept,
     )
+
+
+def engine_acceptance(
+    target_dir: Path, head_dir: Path, prompts: list[list[int]], tokens: int, device: torch.device
+) -> tuple[list[float], float]:
+    """The saved head served by stoker's engine on the held-out prompts (greedy, k fixed):
+    per draft position the share of verifies that accepted it, and accepted drafts per verify."""
+    from services.engine import LLM, SamplingParams
+
+    llm = LLM(
+        str(target_dir),
+        device=str(device),
+        speculative_model=str(head_dir),
+        num_speculative_tokens=SPEC_K,
+        speculative_adaptive=False,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    spec = llm.engine.scheduler.spec
+    llm.close()
+    assert spec is not None
+    verifies = max(spec.stats.drafts, 1)
+    return [
+        n / verifies for n in spec.stats.accepted_per_position
+    ], spec.stats.accepted_tokens / verifies
 
 
 def save_head(out_dir: Path, config: dict, net: EagleNet) -> None:
@@ -345,6 +378,7 @@ def save_head(out_dir: Path, config: dict, net: EagleNet) -> None:
 
 def card(r: EagleReport, target_name: str, command: str) -> str:
     per_pos = ", ".join(f"{p:.1%}" for p in r.per_position)
+    engine_pos = ", ".join(f"{p:.1%}" for p in r.engine_per_position)
     top1 = ", ".join(f"{p:.1%}" for p in r.top1_step)
     curve = "\n".join(f"| {m:.1f} | {a:.2f} |" for m, a in r.curve)
     return f"""# EAGLE head for {target_name}
@@ -366,11 +400,17 @@ Made with:
 | final loss | {r.final_loss:.3f} |
 | top-1 agreement per draft position | {top1} |
 
-Acceptance on held-out prompts ({r.heldout_sequences} sequences, {r.heldout_starts} chain starts;
-greedy verification counted exactly on the target's greedy continuations, k = {SPEC_K}):
+Served by stoker on the {r.heldout_sequences} held-out prompts (greedy, k = {SPEC_K} fixed):
+
+- share of verifies accepting draft i, i = 1..{SPEC_K}: {engine_pos}
+- mean accepted drafts per verify: **{r.engine_accept_k:.2f}**
+  (tokens per target forward: {r.engine_accept_k + 1:.2f})
+
+Teacher-forced on the greedy ones of those continuations ({r.heldout_starts} chain starts;
+as greedy verification counts, k = {SPEC_K}):
 
 - P(first i drafts accepted), i = 1..{SPEC_K}: {per_pos}
-- mean accepted drafts per verify: **{r.accept_k:.2f}**
+- mean accepted drafts per verify: {r.accept_k:.2f}
   (tokens per target forward: {r.accept_k + 1:.2f})
 
 Training curve (held-out mean accepted drafts against training minutes):

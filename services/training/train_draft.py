@@ -213,8 +213,8 @@ def _run_eagle(args: argparse.Namespace, prompts: list[list[int]]) -> int:
     command = f"stoker train-draft {shlex.join(sys.argv[1:] if args.argv is None else args.argv)}"
     (args.out / "README.md").write_text(eagle.card(report, args.target.name, command))
     print(
-        f"EAGLE head written to {args.out}: {report.params:,} params, expected accepted drafts "
-        f"(k={eagle.SPEC_K}) {report.accept_k:.2f} on held-out prompts"
+        f"EAGLE head written to {args.out}: {report.params:,} params, accepted drafts per "
+        f"verify (k={eagle.SPEC_K}) {report.engine_accept_k:.2f} served on held-out prompts"
     )
     return 0
 

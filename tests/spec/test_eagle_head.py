@@ -109,3 +109,11 @@ def test_heads_that_do_not_fit_the_target_are_refused(tmp_path: Path) -> None:
     (head / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelLoadError, match="reads layers"):
         EagleConfig.from_folder(head).check_target(ModelConfig.from_folder(target), head)
+
+
+def test_tensor_parallel_with_a_head_is_refused(tmp_path: Path) -> None:
+    """Two real ranks (gloo on CPU): the head is refused at load, with the flag named."""
+    target = make_model(tmp_path / "t", "llama")
+    head = make_head(target, tmp_path / "h")
+    with pytest.raises(ModelLoadError, match="tensor-parallel-size"):
+        LLM(str(target), tensor_parallel_size=2, num_kv_blocks=64, speculative_model=str(head))

@@ -189,6 +189,6 @@ def _in_row_order(
 
 def refuse_tensor_parallel(folder: str | Path) -> None:
     raise ModelLoadError(
-        f"--speculative-model {folder} is an EAGLE head, which runs on one GPU only: "
-        "drop --tensor-parallel-size or use --speculative ngram / a draft model"
+        f"--speculative-model {folder} is an EAGLE head, which does not run under tensor "
+        "parallelism: drop --tensor-parallel-size, or use --speculative ngram or a draft model"
     )
