@@ -1,6 +1,7 @@
 """Tensor parallelism on this box: TP=2 against TP=1 (offline tokens/s), the time rank 0 spends
 in collectives per step, and the two ways of handing a plan to the other ranks (a gloo
-broadcast, what stoker uses, or a ZeroMQ socket each), measured between two processes.
+broadcast, or a ZeroMQ socket each: what stoker uses, as it measured cheaper), measured between
+two processes.
 
     flock /tmp/heavy.lock .venv/bin/python benchmarks/tensor_parallel.py [--model PATH]
 
@@ -51,8 +52,9 @@ def run_engine(model: str, tp: int, prompts, max_tokens: int, max_num_seqs: int)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     timers = {}
     if tp > 1:
-        comm = llm.engine.ranks.comm
-        timers = {n: _Timed(comm, n) for n in ("all_reduce", "all_gather_last", "send_bytes")}
+        ranks = llm.engine.ranks
+        timers = {n: _Timed(ranks.comm, n) for n in ("all_reduce", "all_gather_last")}
+        timers["plan_send"] = _Timed(ranks.plans, "send")
     steps = 0
     step = llm.engine.step
 
@@ -91,24 +93,24 @@ def _pair(rank: int, port: int, sizes: list[int], hidden: int, rows: list[int], 
     import zmq
 
     from services.worker.parallel.comm import Communicator
+    from services.worker.parallel.plan_channel import PlanChannel
 
     torch.set_num_threads(1)
     comm = Communicator(rank, 2, torch.device("cpu"), "127.0.0.1", port)
+    plans = PlanChannel(comm, "127.0.0.1", single_node=True)
     reps = 300
     out: dict = {"plan_gloo_us": {}, "plan_zmq_us": {}, "all_reduce_us": {}}
     ctx = zmq.Context()
+    acks = ctx.socket(zmq.PUSH if rank else zmq.PULL)  # the ZeroMQ round trip's way back
     if rank == 0:
-        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        push.bind(f"tcp://127.0.0.1:{port + 1}")
-        pull.bind(f"tcp://127.0.0.1:{port + 2}")
+        acks.bind(f"tcp://127.0.0.1:{port + 1}")
     else:
-        push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        pull.connect(f"tcp://127.0.0.1:{port + 1}")
-        push.connect(f"tcp://127.0.0.1:{port + 2}")
+        acks.connect(f"tcp://127.0.0.1:{port + 1}")
     comm.barrier()
     ack = torch.zeros(1, dtype=torch.int64)
     for size in sizes:
         payload = np.random.bytes(size)
+        buf = torch.zeros(size, dtype=torch.uint8)
         # Round trips (plan out, 8-byte ack back); one way is half.
         for label in ("plan_gloo_us", "plan_zmq_us"):
             times = []
@@ -116,16 +118,17 @@ def _pair(rank: int, port: int, sizes: list[int], hidden: int, rows: list[int], 
                 t = time.perf_counter()
                 if label == "plan_gloo_us":
                     if rank == 0:
-                        comm.send_bytes(payload)
-                    else:
-                        comm.recv_bytes()
+                        buf.numpy()[:] = np.frombuffer(payload, np.uint8)
+                    dist.broadcast(buf, src=0, group=comm.control)
+                    if rank:
+                        buf.numpy().tobytes()
                     dist.broadcast(ack, src=1, group=comm.control)
                 elif rank == 0:
-                    push.send(payload)
-                    pull.recv()
+                    plans.send(payload)
+                    acks.recv()
                 else:
-                    pull.recv()
-                    push.send(b"ack")
+                    plans.recv()
+                    acks.send(b"ack")
                 times.append(time.perf_counter() - t)
             out[label][size] = round(1e6 * statistics.median(times) / 2, 1)
     for n in rows:
@@ -136,9 +139,9 @@ def _pair(rank: int, port: int, sizes: list[int], hidden: int, rows: list[int], 
             comm.all_reduce(x)
             times.append(time.perf_counter() - t)
         out["all_reduce_us"][n] = round(1e6 * statistics.median(times), 1)
-    push.close(0)
-    pull.close(0)
+    acks.close(0)
     ctx.term()
+    plans.close()
     comm.close()
     if rank == 0:
         queue.put(out)

@@ -45,7 +45,7 @@ def run_worker(config: EngineConfig, addresses: Addresses, profile_dir: str | No
             _serve(runner, addresses, profile_dir, ranks)
         else:  # a node other than 0: no sockets, it runs what rank 0 broadcasts
             warm_up(runner)
-            follow(runner, ranks.comm)
+            follow(runner, ranks.plans)
     finally:
         ranks.stop()
 

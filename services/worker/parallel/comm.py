@@ -1,27 +1,13 @@
 """The ranks' communicator: torch.distributed, NCCL on CUDA and gloo on CPU, plus a gloo group
-for control (plans, block counts) whose timeout outlasts any idle spell.
-
-Plans travel as bytes in one broadcast of a fixed buffer (length header, then the payload); only
-a plan larger than the buffer needs a second broadcast for its tail. The compute group keeps
-torch's default timeout: its collectives only ever run while every rank is inside a step.
-"""
+for start-up control on the host (block counts, barriers, the plan channel's endpoints). Plans
+themselves travel over ZeroMQ (plan_channel.py), measured cheaper than a broadcast."""
 
 from __future__ import annotations
 
-import datetime
-import struct
-
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from services.worker.parallel.shard import Shard
-
-PLAN_BUFFER_BYTES = 16 * 1024  # a decode plan at batch 256 is about 10 KiB
-_HEADER = struct.Struct("<q")
-_STOP = -1
-# A worker may idle for days between requests; a follower waits for the next plan all along.
-CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
 class Communicator:
@@ -46,9 +32,7 @@ class Communicator:
             device_id=device if cuda else None,
         )
         self.nccl = cuda
-        self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-        self._buf = torch.zeros(PLAN_BUFFER_BYTES, dtype=torch.uint8)
-        self._view = self._buf.numpy()
+        self.control = dist.new_group(backend="gloo")
 
     # -- compute (model) collectives ------------------------------------------------------------
 
@@ -77,40 +61,6 @@ class Communicator:
 
     def barrier(self) -> None:
         dist.barrier(group=self.control)
-
-    def send_bytes(self, data: bytes) -> None:
-        """Rank 0: hand `data` (a plan) to every other rank."""
-        self._broadcast(data)
-
-    def send_stop(self) -> None:
-        self._broadcast(None)
-
-    def recv_bytes(self) -> bytes | None:
-        """Other ranks: the next plan from rank 0, or None when it says stop."""
-        return self._broadcast(None)
-
-    def _broadcast(self, data: bytes | None) -> bytes | None:
-        view, room = self._view, PLAN_BUFFER_BYTES - _HEADER.size
-        if self.rank == 0:
-            n = _STOP if data is None else len(data)
-            _HEADER.pack_into(view, 0, n)
-            if data:
-                head = min(n, room)
-                view[_HEADER.size : _HEADER.size + head] = np.frombuffer(data, np.uint8, head)
-        dist.broadcast(self._buf, src=0, group=self.control)
-        (n,) = _HEADER.unpack_from(view, 0)
-        if n == _STOP:
-            return None
-        if n <= room:
-            return data if self.rank == 0 else view[_HEADER.size : _HEADER.size + n].tobytes()
-        tail = torch.empty(n - room, dtype=torch.uint8)
-        if self.rank == 0:
-            assert data is not None
-            tail.numpy()[:] = np.frombuffer(data, np.uint8, offset=room)
-        dist.broadcast(tail, src=0, group=self.control)
-        if self.rank == 0:
-            return data
-        return view[_HEADER.size :].tobytes() + tail.numpy().tobytes()
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -13,7 +13,7 @@ import sys
 from common.config import EngineConfig
 from common.ipc import plan_decoder
 from common.messages import ProfileControl, SchedulerHello
-from services.worker.parallel.comm import Communicator
+from services.worker.parallel.plan_channel import PlanChannel
 from services.worker.parallel.ranks import (
     ENV_CONFIG,
     ENV_LOCAL_RANK,
@@ -27,11 +27,11 @@ from services.worker.parallel.ranks import (
 log = logging.getLogger("stoker.worker")
 
 
-def follow(runner, comm: Communicator) -> None:  # noqa: ANN001 - a ModelRunner
-    """Until rank 0 says stop (or goes away: the broadcast then raises)."""
+def follow(runner, plans: PlanChannel) -> None:  # noqa: ANN001 - a ModelRunner
+    """Until rank 0 says stop or goes away."""
     from services.worker.service import forget_requests
 
-    while (raw := comm.recv_bytes()) is not None:
+    while (raw := plans.recv()) is not None:
         msg = plan_decoder.decode(raw)  # rank 0 decoded it already: it is well formed
         if isinstance(msg, SchedulerHello):
             forget_requests(runner)
@@ -57,13 +57,15 @@ def main() -> None:
     from services.worker.warmup import warm_up
 
     comm = connect(config, rank)
+    plans = PlanChannel(comm, config.master_addr, config.nnodes == 1)
     runner = ModelRunner(config, comm)
     if os.environ.get(ENV_WARM_UP) == "1":
         warm_up(runner)
     try:
-        follow(runner, comm)
-    except RuntimeError as e:  # gloo/NCCL: rank 0 is gone
+        follow(runner, plans)
+    except RuntimeError as e:  # gloo/NCCL mid-step: rank 0 is gone
         log.info("rank %d: rank 0 went away (%s); exiting", rank, e)
+    plans.close()
     comm.close()
 
 

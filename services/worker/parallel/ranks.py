@@ -28,6 +28,7 @@ from common.config import EngineConfig
 from common.model_config import ModelConfig
 from services.worker.loader import check_model_folder
 from services.worker.parallel.comm import Communicator
+from services.worker.parallel.plan_channel import PlanChannel
 from services.worker.parallel.shard import check_divisible
 
 log = logging.getLogger("stoker.worker")
@@ -91,6 +92,7 @@ class Ranks:
         self.config = rank_config(config, 0)
         try:
             self.comm = connect(self.config, first)
+            self.plans = PlanChannel(self.comm, config.master_addr, nodes == 1)
         except BaseException:
             self.stop()
             raise
@@ -102,7 +104,7 @@ class Ranks:
 
     def send(self, raw: bytes) -> None:
         """Hand the plan (or control message) rank 0 just received to every other rank."""
-        self.comm.send_bytes(raw)
+        self.plans.send(raw)
 
     def stop(self) -> None:
         self._stopping = True
@@ -115,6 +117,8 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if hasattr(self, "plans"):
+            self.plans.close()
         if hasattr(self, "comm"):
             self.comm.close()
 
