@@ -43,7 +43,7 @@ def run_worker(config: EngineConfig, addresses: Addresses, profile_dir: str | No
         runner = ModelRunner(ranks.config, ranks.comm)
         if ranks.leader:
             _serve(runner, addresses, profile_dir, ranks)
-        else:  # a node other than 0: no sockets, it runs what rank 0 broadcasts
+        else:  # a node other than 0: no scheduler sockets; runs what rank 0 forwards
             warm_up(runner)
             follow(runner, ranks.plans)
     finally:
