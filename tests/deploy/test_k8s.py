@@ -637,16 +637,10 @@ def test_router_discovers_a_real_replica_through_the_pod_api(objs: list[Obj], tm
 
     ec = container(engine)
     serve_args = with_flags(
-        [f"{a}={b}" for a, b in zip(ec["args"][::2], ec["args"][1::2])],
+        [f"{a}={b}" for a, b in zip(ec["args"][::2], ec["args"][1::2])],  # flag, value pairs
         {"--model": "stoker-tiny", "--host": ip, "--port": str(port)},
     )
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    replica = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *ec["command"][1:], *serve_args],
-        env=env,
-        start_new_session=True,
-    )
-    procs = [replica]
+    procs: list[subprocess.Popen] = []
     engine_labels = engine["spec"]["template"]["metadata"]["labels"]
     router_labels = router["spec"]["template"]["metadata"]["labels"]
     # The unready engine pod's address answers too: only its Ready condition may keep it out.
@@ -674,6 +668,13 @@ def test_router_discovers_a_real_replica_through_the_pod_api(objs: list[Obj], tm
         )
     )
     try:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        replica = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *ec["command"][1:], *serve_args],
+            env=env,
+            start_new_session=True,
+        )
+        procs.append(replica)
         wait_healthy(f"http://{ip}:{port}/health", timeout=240, procs=procs)
 
         rc = container(router)
