@@ -40,7 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the target's hidden states (services/training/eagle.py)",
     )
     p.add_argument("--head-layers", type=int, default=1, help="eagle: decoder layers (default 1)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="--prompts lines are user turns: apply the chat template",
+    )
     p.add_argument("--device", default="auto", help="eagle: training device (default: cuda if any)")
+    p.add_argument("--head-dtype", choices=("float32", "bfloat16"), default="float32")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--corpus", type=Path, help="UTF-8 text: prompts, training text, held-out")
     src.add_argument("--prompts", type=Path, help="a text file with one prompt per line")
@@ -125,6 +131,20 @@ def _read_prompts(path: Path, tok: object, bos: int | None, limit: int) -> list[
     return prompts
 
 
+def _read_chat_prompts(path: Path, tok: object) -> list[list[int]]:
+    lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if not getattr(tok, "chat_template", None):
+        raise UsageError("--chat: the target's tokenizer has no chat template")
+    prompts = []
+    for line in lines:
+        turn = [{"role": "user", "content": line.replace("\\n", "\n")}]
+        ids = tok.apply_chat_template(turn, add_generation_prompt=True)  # type: ignore[attr-defined]
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    if len(prompts) < 2:
+        raise UsageError(f"--prompts {path}: need at least 2 prompts")
+    return prompts
+
+
 def run(args: argparse.Namespace) -> int:
     config = _check_args(args)
     import torch
@@ -163,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
         prompts = distill.corpus_prompts(
             corpus, args.num_prompts, args.prompt_tokens, bos or 0, args.seed
         )
+    elif args.prompts is not None and args.chat:
+        prompts = _read_chat_prompts(args.prompts, tok)
     elif args.prompts is not None:
         prompts = _read_prompts(args.prompts, tok, bos, args.prompt_tokens)
     else:  # no text at all: <bos> and one random token, continued greedily by the target
@@ -208,6 +230,7 @@ def _run_eagle(args: argparse.Namespace, prompts: list[list[int]]) -> int:
         gen_tokens=args.gen_tokens,
         num_layers=args.head_layers,
         device=args.device,
+        save_dtype=args.head_dtype,
     )
     report = eagle.run(args.target, args.out, prompts, cfg)
     command = f"stoker train-draft {shlex.join(sys.argv[1:] if args.argv is None else args.argv)}"
