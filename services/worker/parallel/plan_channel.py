@@ -16,8 +16,6 @@ from zmq.utils.monitor import recv_monitor_message
 
 from services.worker.parallel.comm import Communicator
 
-_STOP = b""
-
 
 class PlanChannel:
     def __init__(self, comm: Communicator, master_addr: str, single_node: bool) -> None:
@@ -55,16 +53,12 @@ class PlanChannel:
         for sock in self.pushes:
             sock.send(raw, copy=False)
 
-    def send_stop(self) -> None:
-        self.send(_STOP)
-
     def recv(self) -> bytes | None:
-        """Other ranks: the next plan; None once rank 0 says stop or goes away."""
+        """Other ranks: the next plan; None once rank 0 goes away."""
         while True:
             ready = dict(self.poller.poll())
             if self.pull in ready:
-                raw = self.pull.recv()
-                return None if raw == _STOP else raw
+                return self.pull.recv()
             if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
                 return None
 
