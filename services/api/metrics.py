@@ -67,6 +67,14 @@ class _EngineCollector(Collector):
             if name in VLLM_ALIASES:
                 alias_doc = f"{doc} Alias of stoker:{name}."
                 yield GaugeMetricFamily(f"vllm:{name}", alias_doc, value=float(value or 0))
+        # vLLM's older name for the same fraction, which SMG 1.13's load monitor (its KV
+        # overload threshold and cache-aware balance) still reads.
+        yield GaugeMetricFamily(
+            "vllm:gpu_cache_usage_perc",
+            "Fraction of KV-cache blocks in use (0-1). Alias of stoker:kv_cache_usage_perc, "
+            "under vLLM's deprecated name.",
+            value=float((s and s.kv_usage) or 0),
+        )
         # A counter (rate() works across scrapes), fed by the scheduler's cumulative count.
         yield CounterMetricFamily(
             "stoker:num_preemptions",

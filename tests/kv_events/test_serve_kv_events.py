@@ -92,6 +92,8 @@ def test_metric_aliases_and_kv_events_predict_prefix_hits(model, tmp_path) -> No
         for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
             assert seen[f"vllm:{name}"] == seen[f"stoker:{name}"], name
         assert 0.0 < seen["vllm:kv_cache_usage_perc"] <= 1.0  # a fraction, as vLLM's
+        # The deprecated name SMG's load monitor reads (docs/fleet.md).
+        assert seen["vllm:gpu_cache_usage_perc"] == seen["stoker:kv_cache_usage_perc"]
 
         # -- KV events: a shared-prefix workload through a pool small enough to evict
         replica, seqs = Replica(), []
