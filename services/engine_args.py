@@ -48,7 +48,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="largest decode batch captured as a CUDA graph (capped by --max-num-seqs)",
     )
     g.add_argument("--speculative", choices=["ngram", "draft"], default=None)
-    g.add_argument("--speculative-model", default=None, help="draft model folder (implies draft)")
+    g.add_argument(
+        "--speculative-model",
+        default=None,
+        help="a draft model folder, or an EAGLE head's (train-draft --method eagle); implies draft",
+    )
     g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
     g.add_argument(
         "--speculative-adaptive",
