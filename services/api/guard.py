@@ -2,8 +2,9 @@
 
 Every path needs `Authorization: Bearer KEY` except /health (for probes), /metrics (unless
 --protect-metrics), and /dashboard, which is served ahead of this middleware: the page holds no
-data, and with --protect-metrics it asks for the key to read /metrics with. The comparison is constant-time (hmac.compare_digest), so the response time
-says nothing about how much of a guessed key was right.
+data, and with --protect-metrics it asks for the key to read /metrics with. The comparison is
+constant-time (hmac.compare_digest), so the response time says nothing about how much of a
+guessed key was right.
 """
 
 from __future__ import annotations
