@@ -157,6 +157,8 @@ def openapi_document(limits: Limits, secured: bool) -> dict[str, Any]:
             "/health": _get_op("200 when every process is up and the engine makes progress", 503),
             "/metrics": _get_op("Prometheus metrics", 401),
             "/debug/state": _get_op("the scheduler's latest numbers", 401),
+            "/version": _get_op("stoker's version, in vLLM's shape (routers probe it)", 401),
+            "/dashboard": _get_op("the live dashboard page (HTML)"),
             "/tokenize": _post_op(
                 {"anyOf": [_ref("TokenizeCompletionRequest"), _ref("TokenizeChatRequest")]},
                 "the ids a prompt (or messages, through the chat template) is served with",
