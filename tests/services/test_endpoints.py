@@ -49,6 +49,22 @@ def _tokenizer_total(m: dict[str, dict[tuple, float]]) -> float:
     return sum(m.get("stoker:tokenizer_requests_total", {}).values())
 
 
+def _settled(server) -> dict[str, dict[tuple, float]]:
+    """A snapshot whose per-tokenizer counts have caught up: they come with the tokenizers'
+    0.5 s heartbeat, so the previous test's requests can land in them after its responses (seen
+    on a loaded box: a before-snapshot short by two). Settled once a heartbeat later they have not
+    moved."""
+    m = _samples(server)
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        time.sleep(0.6)
+        again = _samples(server)
+        if _tokenizer_total(again) == _tokenizer_total(m):
+            return again
+        m = again
+    return m
+
+
 def test_metrics_after_traffic(server):
     """The session-wide server has served other tests' traffic, so counters are compared before
     and after two requests of a known shape; they must move by exactly what those produce."""
@@ -56,7 +72,7 @@ def test_metrics_after_traffic(server):
     # the prefix cache for its 3 full blocks.
     prompt = [(i * 7) % 500 + 3 for i in range(3 * server.block_size + 5)]
     server.wait_idle(5.0)
-    before = _samples(server)
+    before = _settled(server)
     for _ in range(2):
         body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
         assert (
