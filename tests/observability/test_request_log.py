@@ -247,10 +247,13 @@ def test_text_logged_only_with_the_flag_and_files_rotate(served) -> None:
         rids.append(rid)
     msgs = [{"role": "user", "content": "hi there"}]
     chat = _post(b.url, "/v1/chat/completions", {**CHAT, "messages": msgs, "logprobs": False})
+    # The writer thread opens a new file, deletes the oldest, then writes: once the last records
+    # are visible, the rotations before them are complete (read before that, a loaded box saw a
+    # fourth file not yet deleted).
+    recs = _records(log_dir, {rids[-1], chat["id"]})
     files = sorted(log_dir.glob("requests-*.jsonl"))
     assert len(files) == 3 and files[0].name != "requests-000001.jsonl"  # rotated, oldest gone
     assert all(f.stat().st_size <= 3000 for f in files)
-    recs = _records(log_dir, {rids[-1], chat["id"]})
     last = recs[(rids[-1], 0)]
     assert last["prompt"] == "line 29" and last["output_text"]
     chat_rec = recs[(chat["id"], 0)]
