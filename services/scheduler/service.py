@@ -549,6 +549,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_STALLED)
     finally:
         service.profiler.stop()  # a trace in progress is still written on SIGTERM
+        # A bounded linger: the default (forever) makes exit hang on messages queued for an
+        # api or tokenizer that stopped first.
+        service.ctx.destroy(linger=500)
 
 
 if __name__ == "__main__":
