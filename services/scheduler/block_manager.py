@@ -63,7 +63,10 @@ class AllBlocksCleared(NamedTuple):
 KVEvent = BlocksStored | BlocksRemoved | AllBlocksCleared
 
 
-class _Seq:
+class SeqBlocks:
+    """One sequence's blocks. Read-only outside this module: the scheduler's steady-decode
+    path reads `blocks` and `num_hashed` to skip calls that would change nothing."""
+
     __slots__ = ("blocks", "num_hashed", "parent")
 
     def __init__(self, blocks: list[int], num_hashed: int, parent: int) -> None:
@@ -92,7 +95,7 @@ class BlockManager:
         self._cached: dict[CacheKey, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, ref 0; oldest first
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pops 0, 1, 2, ...
-        self._seqs: dict[Hashable, _Seq] = {}
+        self.seqs: dict[Hashable, SeqBlocks] = {}  # read-only outside this class
         self._fresh: set[int] = set()  # keyed since begin_step(): computed by the step planned
         # None when not recording. A new pool starts empty: subscribers drop an old pool's blocks.
         self._events: list[KVEvent] | None = [AllBlocksCleared()] if record_events else None
@@ -106,10 +109,10 @@ class BlockManager:
         return 1.0 - self.num_free_blocks() / self.num_blocks
 
     def block_table(self, seq_id: Hashable) -> list[int]:
-        return self._seqs[seq_id].blocks
+        return self.seqs[seq_id].blocks
 
     def has_seq(self, seq_id: Hashable) -> bool:
-        return seq_id in self._seqs
+        return seq_id in self.seqs
 
     def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
         return len(self._match(token_ids)) * self.block_size
@@ -138,7 +141,7 @@ class BlockManager:
             )
 
     def can_allocate(self, seq_id: Hashable, num_tokens: int) -> bool:
-        seq = self._seqs.get(seq_id)
+        seq = self.seqs.get(seq_id)
         have = len(seq.blocks) if seq is not None else 0
         return -(-num_tokens // self.block_size) - have <= self.num_free_blocks()
 
@@ -152,7 +155,7 @@ class BlockManager:
         """Take the cached blocks matching a prefix of token_ids; returns the tokens hit, or
         None (taking nothing) when the match runs into a block the step being planned computes:
         next step the same lookup hits it."""
-        if seq_id in self._seqs:
+        if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already allocated")
         hits = self._match(token_ids)
         if len(hits) < len(token_ids) // self.block_size and self._next_is_fresh(token_ids, hits):
@@ -162,12 +165,12 @@ class BlockManager:
                 del self._lru[b]
             self._ref[b] += 1
         parent = self._reg[hits[-1]] if hits else _ROOT
-        self._seqs[seq_id] = _Seq(hits, len(hits), parent)
+        self.seqs[seq_id] = SeqBlocks(hits, len(hits), parent)
         return len(hits) * self.block_size
 
     def allocate_slots(self, seq_id: Hashable, num_tokens: int) -> list[int] | None:
         """Grow `seq_id` (created if unknown) to hold num_tokens in total; None if out of blocks."""
-        seq = self._seqs.get(seq_id)
+        seq = self.seqs.get(seq_id)
         have = len(seq.blocks) if seq is not None else 0
         need = -(-num_tokens // self.block_size) - have
         if need <= 0:
@@ -186,7 +189,7 @@ class BlockManager:
             self._ref[b] = 1
             new.append(b)
         if seq is None:
-            seq = self._seqs[seq_id] = _Seq([], 0, _ROOT)
+            seq = self.seqs[seq_id] = SeqBlocks([], 0, _ROOT)
         seq.blocks.extend(new)
         return new
 
@@ -194,7 +197,7 @@ class BlockManager:
         self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int
     ) -> None:
         """Key the seq's newly full and computed blocks; O(1) unless a block just filled."""
-        seq = self._seqs[seq_id]
+        seq = self.seqs[seq_id]
         bs = self.block_size
         n_full = min(num_computed_tokens, len(token_ids), len(seq.blocks) * bs) // bs
         if n_full <= seq.num_hashed:
@@ -230,7 +233,7 @@ class BlockManager:
         seq.num_hashed, seq.parent = n_full, parent
 
     def free(self, seq_id: Hashable) -> None:
-        seq = self._seqs.pop(seq_id, None)
+        seq = self.seqs.pop(seq_id, None)
         if seq is None:
             return  # aborts may race with finishes
         # Tail first: the LRU then evicts a sequence's tail before its (more shareable) head.
@@ -245,7 +248,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (vLLM's reset_prefix_cache); False, changing nothing, while
         any sequence holds blocks."""
-        if self._seqs:
+        if self.seqs:
             return False
         for b in self._lru:
             self._unregister(b)
@@ -259,7 +262,7 @@ class BlockManager:
     # ---- internals -----------------------------------------------------------------------------
 
     def _record_stored(
-        self, seq: _Seq, token_ids: Sequence[int], start: int, end: int, parent: int
+        self, seq: SeqBlocks, token_ids: Sequence[int], start: int, end: int, parent: int
     ) -> None:
         assert self._events is not None
         bs, reg = self.block_size, self._reg
@@ -309,7 +312,7 @@ class BlockManager:
         assert len(free) == len(self._free), "duplicate block on the free list"
         assert not free & lru, f"blocks both free and cached: {free & lru}"
         refs = [0] * n
-        for sid, seq in self._seqs.items():
+        for sid, seq in self.seqs.items():
             assert len(set(seq.blocks)) == len(seq.blocks), f"{sid!r} holds a block twice"
             assert seq.num_hashed <= len(seq.blocks), f"{sid!r} hashed past its blocks"
             for b in seq.blocks:

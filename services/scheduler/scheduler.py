@@ -45,7 +45,7 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestUpdate:
     """What one step produced for one request: new token(s), and whether it finished."""
 
@@ -57,6 +57,10 @@ class RequestUpdate:
 
 
 class Scheduler:
+    # The steady-decode fast paths of schedule() and update(); off, every request takes the
+    # general path (tests compare the two plan for plan).
+    fast_paths = True
+
     def __init__(
         self,
         config: SchedulerConfig,
@@ -124,9 +128,45 @@ class Scheduler:
         if self.spec is not None:
             decoding = sum(1 for r in self.running if r.num_output_tokens > 0)
             speculate = self.spec.enabled_for_step(decoding)
+        # The steady-decode path below is the hot loop at hundreds of running requests: it
+        # inlines what the general path would compute for a request that decodes one token
+        # into a block it already holds, and calls out only when something changes.
+        blocks, seqs, bs = self.blocks, self.blocks.seqs, self.blocks.block_size
+        max_len, with_spec = self.config.max_model_len, self.spec is not None
+        req_ids, num_scheduled = running.req_ids, running.num_scheduled_tokens
+        new_block_ids = running.new_block_ids
+        running_list = self.running
+        fast = self.fast_paths and not speculate
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
+        while i < len(running_list) and budget > 0:
+            request = running_list[i]
+            token_ids = request.token_ids
+            ntok, placeholders = len(token_ids), request.num_placeholders
+            computed = request.num_computed_tokens
+            if (
+                fast
+                and ntok + placeholders - computed == 1
+                and request.spec_inflight < 0
+                and not request.needs_full_send
+                and ntok + placeholders - request.prompt_len < request.max_tokens
+                and ntok + placeholders < max_len
+            ):
+                seq = seqs[request.req_id]
+                if computed < len(seq.blocks) * bs:  # the next slot is in a held block
+                    req_ids.append(request.req_id)
+                    num_scheduled.append(1)
+                    new_block_ids.append([])
+                    if with_spec:
+                        running.spec_token_ids.append(b"")
+                        running.num_spec_tokens.append(0)
+                    request.num_computed_tokens = computed + 1
+                    request.num_placeholders = placeholders + 1  # it samples
+                    known = computed + 1 if computed < ntok else ntok
+                    if known // bs > seq.num_hashed:
+                        blocks.cache_blocks(request.req_id, token_ids, known)
+                    budget -= 1
+                    i += 1
+                    continue
             num_tokens = min(request.num_planned_tokens - request.num_computed_tokens, budget)
             drafts: list[int] | int = 0
             if request.spec_inflight >= 0:
@@ -287,12 +327,14 @@ class Scheduler:
 
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
         """Apply a step's sampled tokens; return per-request updates (new tokens, finishes)."""
+        token_ids = unpack_ids(result.token_ids)  # one C-level conversion per step
+        if self.fast_paths and result.counts is None and result.logprobs is None:
+            return self._update_one_token_each(plan, result.req_ids, token_ids)
         # Cache first: a request that finishes below frees its blocks, and the blocks it filled
         # in its last step must already be in the prefix cache by then.
         self._cache_computed_blocks(plan)
         updates: list[RequestUpdate] = []
         counts = result.counts
-        token_ids = unpack_ids(result.token_ids)  # one C-level conversion per step
         offset = 0
         for row, req_id in enumerate(result.req_ids):
             count = 1 if counts is None else counts[row]
@@ -307,6 +349,52 @@ class Scheduler:
             update = self._append(request, tokens, logprobs)
             if update is not None:
                 updates.append(update)
+        return updates
+
+    def _update_one_token_each(
+        self, plan: StepPlan, req_ids: list[str], token_ids: list[int]
+    ) -> list[RequestUpdate]:
+        """update() for a step where every row sampled one token and none asked for logprobs:
+        the general path with its per-request calls inlined."""
+        if len(req_ids) != plan.num_requests:  # some rows computed a prompt chunk, no token
+            self._cache_computed_blocks(plan)
+            cache_each = False
+        else:
+            cache_each = True  # the rows are the plan's requests: key blocks in the same loop
+        updates: list[RequestUpdate] = []
+        requests, seqs, blocks = self.requests, self.blocks.seqs, self.blocks
+        bs, max_len = blocks.block_size, self.config.max_model_len
+        running_status = RequestStatus.RUNNING
+        for req_id, token in zip(req_ids, token_ids):
+            request = requests.get(req_id)
+            if request is None or request.status is not running_status:
+                continue  # aborted or preempted while the step ran: drop the token
+            ids = request.token_ids
+            if cache_each:  # as _cache_computed_blocks, before a finish frees the blocks
+                known = request.num_computed_tokens
+                if known > len(ids):
+                    known = len(ids)
+                if known // bs > seqs[req_id].num_hashed:
+                    blocks.cache_blocks(req_id, ids, known)
+            if request.spec_inflight >= 0:
+                update = self._append(request, [token], None)
+                if update is not None:
+                    updates.append(update)
+                continue
+            request.num_placeholders -= 1
+            ids.append(token)
+            if (
+                token in request.stop_ids
+                or len(ids) - request.prompt_len >= request.max_tokens
+                or len(ids) >= max_len
+            ):
+                reason = request.check_stop(max_len)
+                assert reason is not None
+                self.running.remove(request)
+                self._finish(request, reason)
+                updates.append(RequestUpdate(req_id, [token], request, reason, None))
+            else:
+                updates.append(RequestUpdate(req_id, [token], request, None, None))
         return updates
 
     def _append(

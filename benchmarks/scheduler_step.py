@@ -1,0 +1,128 @@
+"""The scheduler's host cost per step, without sockets: the core's `schedule()` and `update()`
+and the service's per-step encoding (plan encode, token batches), timed at N running requests
+in steady decode.
+
+A fake worker answers every plan with one token per request, so this measures only what the
+scheduler process spends per step, the part the issue's "scheduler step p50" names. Overlap
+scheduling is reproduced (two plans in flight), as the service runs it.
+
+    .venv/bin/python benchmarks/scheduler_step.py --running 256 --steps 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.ipc import encoder  # noqa: E402
+from common.messages import RequestTokens, StepPlan, StepResult, TokenBatch, pack_ids  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
+from services.scheduler.block_manager import BlockManager  # noqa: E402
+from services.scheduler.request import Request  # noqa: E402
+from services.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+
+
+def _fake_result(plan: StepPlan, token: int) -> StepResult:
+    """One sampled token for each request whose known tokens this step reaches (all, in decode)."""
+    ids = [n.req_id for n in plan.new_requests] + plan.running.req_ids
+    return StepResult(step_id=plan.step_id, req_ids=ids, token_ids=pack_ids([token] * len(ids)))
+
+
+def _publish_cost(updates) -> None:
+    """What the service does with the updates: one RequestTokens each, one encoded batch."""
+    items = [RequestTokens(u.req_id, pack_ids(u.new_token_ids), None, u.logprobs) for u in updates]
+    encoder.encode(TokenBatch(items))
+
+
+def run(num_running: int, steps: int, prompt_len: int, block_size: int) -> dict:
+    num_blocks = num_running * ((prompt_len + steps + 8) // block_size + 2)
+    blocks = BlockManager(num_blocks, block_size)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=num_running,
+            max_num_batched_tokens=max(2048, num_running),
+            max_model_len=prompt_len + steps + 16,
+        ),
+        blocks,
+    )
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    for i in range(num_running):
+        prompt = [(i * 7919 + j) % 30000 + 1 for j in range(prompt_len)]
+        sched.add_request(Request(f"req-{i}", prompt, params, steps + 8, (2,)))
+    inflight: collections.deque[StepPlan] = collections.deque()
+    # Prefill until every request decodes, then measure steady decode.
+    while len(sched.running) < num_running or any(r.num_output_tokens == 0 for r in sched.running):
+        inflight.append(sched.schedule())
+        plan = inflight.popleft()
+        sched.update(plan, _fake_result(plan, 5))
+    t_schedule, t_encode, t_update, t_publish = [], [], [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        plan = sched.schedule()
+        t1 = time.perf_counter()
+        encoder.encode(plan)
+        t2 = time.perf_counter()
+        inflight.append(plan)
+        if len(inflight) < 2:
+            t_schedule.append(t1 - t0)
+            t_encode.append(t2 - t1)
+            continue
+        done = inflight.popleft()
+        result = _fake_result(done, 5 + step % 1000)
+        t3 = time.perf_counter()
+        updates = sched.update(done, result)
+        t4 = time.perf_counter()
+        _publish_cost(updates)
+        t5 = time.perf_counter()
+        assert len(done.running.req_ids) == num_running, "left steady decode"
+        t_schedule.append(t1 - t0)
+        t_encode.append(t2 - t1)
+        t_update.append(t4 - t3)
+        t_publish.append(t5 - t4)
+
+    def us(xs: list[float]) -> dict:
+        xs = sorted(xs)
+        return {
+            "p50_us": round(statistics.median(xs) * 1e6, 1),
+            "p99_us": round(xs[int(0.99 * (len(xs) - 1))] * 1e6, 1),
+        }
+
+    return {
+        "running": num_running,
+        "steps": steps,
+        "schedule": us(t_schedule),
+        "plan_encode": us(t_encode),
+        "update": us(t_update),
+        "publish": us(t_publish),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--running", type=int, nargs="+", default=[32, 256])
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--out", default="benchmarks/results/scheduler_step.json")
+    args = ap.parse_args()
+    results = [run(n, args.steps, args.prompt_len, args.block_size) for n in args.running]
+    for r in results:
+        print(
+            f"{r['running']:4d} running: schedule p50 {r['schedule']['p50_us']:7.1f} us "
+            f"(p99 {r['schedule']['p99_us']:7.1f}), plan encode {r['plan_encode']['p50_us']:6.1f}, "
+            f"update {r['update']['p50_us']:7.1f} (p99 {r['update']['p99_us']:7.1f}), "
+            f"publish {r['publish']['p50_us']:6.1f}"
+        )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""The scheduler's steady-decode fast paths change nothing: on random workloads (shared
+prefixes, stops, aborts, a pool small enough to preempt, chunked prefills, overlap), a
+scheduler with them and one without produce the same plans and the same updates, step for
+step, and both end with every block free."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+
+from common.ipc import encoder
+from tests.fake_worker import EOS, FakeWorker, assert_idle, make, next_token, req
+
+
+def _workload(seed: int) -> tuple[list, dict, dict[int, list[str]]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, 90) for _ in range(10)]
+    specs, force, aborts = [], {}, {}
+    for i in range(24):
+        prompt = (shared[: rng.choice([0, 4, 9])] if rng.random() < 0.5 else []) + [
+            rng.randrange(1, 90) for _ in range(rng.randrange(1, 20))
+        ]
+        params = {"ignore_eos": True} if rng.random() < 0.2 else {}
+        if rng.random() < 0.2:
+            params["stop_token_ids"] = [rng.randrange(1, 90)]
+        if specs and rng.random() < 0.3:  # an earlier prompt and outputs: blocks decode filled
+            prompt = list(rng.choice(specs)[1])
+            for _ in range(rng.randrange(4, 16)):
+                prompt.append(next_token(prompt))
+        specs.append((f"r{i}", prompt[:24], rng.randrange(1, 30), params))  # fits 30 tokens
+        if rng.random() < 0.3:
+            force[f"r{i}"] = {rng.randrange(0, 20): EOS}
+        if rng.random() < 0.15:
+            aborts.setdefault(rng.randrange(1, 60), []).append(f"r{i}")
+    return specs, force, aborts
+
+
+def _drive(fast_paths: bool, seed: int, overlap: bool, **cfg: int) -> tuple[list[bytes], int]:
+    specs, force, aborts = _workload(seed)
+    sched = make(**cfg)
+    sched.fast_paths = fast_paths
+    worker = FakeWorker(force)
+    pending = deque(specs)
+    trace: list[bytes] = []
+    inflight: deque = deque()
+    depth = 2 if overlap else 1
+    for step in range(5000):
+        if pending and step % 3 == 0:  # arrivals spread over the run
+            rid, prompt, max_tokens, params = pending.popleft()
+            sched.add_request(req(rid, prompt, max_tokens, **params))
+        for rid in aborts.get(step, []):
+            sched.abort(rid)
+        if len(inflight) < depth:
+            plan = sched.schedule()
+            sched.blocks.check_invariants()
+            trace.append(encoder.encode(plan))
+            if plan.num_requests or plan.finished_req_ids:
+                inflight.append((plan, worker.execute(plan)))
+                if plan.num_requests and len(inflight) < depth:
+                    continue
+        if inflight:
+            updates = sched.update(*inflight.popleft())
+            sched.blocks.check_invariants()
+            trace.append(
+                repr([(u.req_id, u.new_token_ids, u.finish_reason) for u in updates]).encode()
+            )
+        elif not pending and not sched.has_unfinished():
+            assert_idle(sched, worker)
+            return trace, sched.num_preemptions
+    raise AssertionError("never went idle")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"num_blocks": 256, "max_num_batched_tokens": 32, "max_num_seqs": 8},
+        {"num_blocks": 24, "max_num_batched_tokens": 16, "max_num_seqs": 6},  # preempts
+        {"num_blocks": 64, "cache": False, "max_num_batched_tokens": 8, "max_num_seqs": 4},
+        {"num_blocks": 128, "max_num_batched_tokens": 16, "max_model_len": 30},  # length stops
+    ],
+)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fast_paths_match_the_general_path(seed: int, overlap: bool, cfg: dict) -> None:
+    fast, preemptions = _drive(True, seed, overlap, **cfg)
+    general, _ = _drive(False, seed, overlap, **cfg)
+    assert fast == general
+    assert len(fast) > 100
+    assert (preemptions > 0) == (cfg["num_blocks"] == 24)
