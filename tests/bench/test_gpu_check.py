@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # about 50 s on 2 cores
 @pytest.mark.timeout(300)
 def test_gpu_check_smoke_runs_every_phase(tmp_path):
     pytest.importorskip("triton")
