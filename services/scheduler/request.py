@@ -27,6 +27,7 @@ class Request:
         "prompt_len",
         "params",
         "max_tokens",
+        "token_limit",
         "stop_ids",
         "status",
         "num_computed_tokens",
@@ -59,6 +60,7 @@ class Request:
         self.prompt_len = len(prompt_token_ids)
         self.params = params
         self.max_tokens = max_tokens
+        self.token_limit = 0  # the scheduler's: min(prompt_len + max_tokens, max_model_len)
         eos = () if params.ignore_eos else eos_token_ids
         self.stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
         self.status = RequestStatus.WAITING

@@ -45,7 +45,7 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass
 class RequestUpdate:
     """What one step produced for one request: new token(s), and whether it finished."""
 
@@ -88,6 +88,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.req_id in self.requests:
             raise ValueError(f"duplicate request id {request.req_id!r}")
+        # One comparison in the steady-decode path: plan no token at or past this length.
+        limit = min(request.prompt_len + request.max_tokens, self.config.max_model_len)
+        request.token_limit = limit
         self.requests[request.req_id] = request
         self.waiting.append(request)
 
@@ -132,40 +135,41 @@ class Scheduler:
         # inlines what the general path would compute for a request that decodes one token
         # into a block it already holds, and calls out only when something changes.
         blocks, seqs, bs = self.blocks, self.blocks.seqs, self.blocks.block_size
-        max_len, with_spec = self.config.max_model_len, self.spec is not None
-        req_ids, num_scheduled = running.req_ids, running.num_scheduled_tokens
-        new_block_ids = running.new_block_ids
+        with_spec = self.spec is not None
+        add_id = running.req_ids.append
+        add_count = running.num_scheduled_tokens.append
+        add_blocks = running.new_block_ids.append
         running_list = self.running
         fast = self.fast_paths and not speculate
-        i = 0
-        while i < len(running_list) and budget > 0:
-            request = running_list[i]
+        # A for loop over a list that preemption shortens from the end: popped requests are
+        # simply not reached.
+        for request in running_list:
+            if budget <= 0:
+                break
             token_ids = request.token_ids
-            ntok, placeholders = len(token_ids), request.num_placeholders
             computed = request.num_computed_tokens
+            planned = len(token_ids) + request.num_placeholders
             if (
                 fast
-                and ntok + placeholders - computed == 1
+                and planned - computed == 1
+                and planned < request.token_limit
                 and request.spec_inflight < 0
                 and not request.needs_full_send
-                and ntok + placeholders - request.prompt_len < request.max_tokens
-                and ntok + placeholders < max_len
             ):
                 seq = seqs[request.req_id]
                 if computed < len(seq.blocks) * bs:  # the next slot is in a held block
-                    req_ids.append(request.req_id)
-                    num_scheduled.append(1)
-                    new_block_ids.append([])
+                    add_id(request.req_id)
+                    add_count(1)
+                    add_blocks([])
                     if with_spec:
                         running.spec_token_ids.append(b"")
                         running.num_spec_tokens.append(0)
                     request.num_computed_tokens = computed + 1
-                    request.num_placeholders = placeholders + 1  # it samples
-                    known = computed + 1 if computed < ntok else ntok
-                    if known // bs > seq.num_hashed:
+                    request.num_placeholders += 1  # it samples
+                    known = computed + 1 if computed < len(token_ids) else len(token_ids)
+                    if known // bs > seq.num_hashed:  # a block of known tokens just filled
                         blocks.cache_blocks(request.req_id, token_ids, known)
                     budget -= 1
-                    i += 1
                     continue
             num_tokens = min(request.num_planned_tokens - request.num_computed_tokens, budget)
             drafts: list[int] | int = 0
@@ -178,11 +182,10 @@ class Scheduler:
                     drafts = self._drafts(request, budget)
                     num_tokens += drafts if isinstance(drafts, int) else len(drafts)
             if num_tokens <= 0 or request.is_done_after_inflight(self.config.max_model_len):
-                i += 1
                 continue
             new_blocks = self._allocate(request, num_tokens)
             while new_blocks is None:
-                victim = self.running.pop()
+                victim = running_list.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -192,7 +195,6 @@ class Scheduler:
                 break
             self._emit(request, num_tokens, new_blocks, new_requests, running, drafts)
             budget -= num_tokens
-            i += 1
 
         while (
             self.waiting
