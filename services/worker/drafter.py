@@ -19,6 +19,7 @@ from services.worker.sampler import (
     _MASK63,
     _SEED_MIX,
     SamplingBatch,
+    exponential_noise,
     filtered_probs,
     seeded_noise,
 )
@@ -122,7 +123,7 @@ def choose_drafts(
     if batch.all_greedy:
         return chosen, None
     probs = filtered_probs(logits, batch)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    noise = exponential_noise(probs.shape, generator, probs.device)
     for row, (params, seed, position) in enumerate(rows):
         if seed is not None and not params.greedy:
             # Seeded: the noise the target draws this output position with, so the draft

@@ -248,13 +248,25 @@ class Sampler:
         return SamplerOutput(token_ids)
 
     def _noise(self, like: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        q = torch.empty_like(like)
-        if len(batch.seeded) < q.shape[0]:
-            q.exponential_(generator=self.generator)
+        if len(batch.seeded) < like.shape[0]:
+            q = exponential_noise(like.shape, self.generator, like.device)
+        else:
+            q = torch.empty_like(like)
         for row, seed, position in batch.seeded:  # own stream: independent of the batch
             q[row] = seeded_noise(seed, position, like.shape[-1], like.device)
         # Some backends can return exactly 0; p / 0 would give inf (or nan for filtered p = 0).
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def exponential_noise(
+    shape: torch.Size | tuple[int, ...], generator: torch.Generator | None, device: torch.device
+) -> torch.Tensor:
+    """Exp(1) float32 noise as -log(U), U uniform: on CPU 2.4x faster than `exponential_`
+    (measured: 10.6 vs 25.6 ms for 32 x 32000), which cost a fifth of a sampled decode step.
+    U is clamped inside (0, 1) (it can be exactly 0, and a backend's uniforms may reach 1), so
+    the noise is always finite and positive: the race then never divides by 0 or infinity."""
+    u = torch.rand(shape, generator=generator, device=device)
+    return u.clamp_(2.0**-25, 1.0 - 2.0**-24).log_().neg_()
 
 
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -268,8 +280,7 @@ def seeded_noise(seed: int, position: int, vocab_size: int, device: torch.device
     position) only, so the token is the same in a plain decode, a verify at any k, any batch."""
     gen = torch.Generator(device=device)
     gen.manual_seed((seed * _SEED_MIX + position) & _MASK63)
-    q = torch.empty(vocab_size, device=device).exponential_(generator=gen)
-    return q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return exponential_noise((vocab_size,), gen, device)
 
 
 def race_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 from services.worker.sampler import (
     SamplingBatch,
     apply_penalties,
+    exponential_noise,
     race,
     race_probs,
     seeded_noise,
@@ -109,7 +110,7 @@ def _rejection_sample(
             residual = p[accepted]
     else:
         residual = p[k]  # every draft passed: the bonus token comes from the target
-    noise = torch.empty_like(residual).exponential_(generator=generator).clamp_min_(1e-30)
+    noise = exponential_noise(residual.shape, generator, residual.device)
     token = int((residual / noise).argmax())
     return g.drafts[:accepted] + [token]
 

@@ -22,7 +22,7 @@ def make_head(target: Path, out: Path, seed: int = 0, num_layers: int = 1) -> Pa
     return out
 
 
-def train_head(target: Path, out: Path, steps: int = 60) -> Path:
+def train_head(target: Path, out: Path, steps: int = 200) -> Path:
     """`stoker train-draft --method eagle` for a few seconds on a tiny target (fixed seeds)."""
     from services.training.train_draft import main
 

@@ -12,6 +12,7 @@ from services.worker.sampler import (
     Sampler,
     SamplingBatch,
     apply_penalties,
+    exponential_noise,
     filtered_probs,
     token_logprobs,
 )
@@ -328,3 +329,16 @@ def test_device_state_matches_token_lists():
     torch.testing.assert_close(apply_penalties(logits, got), apply_penalties(logits, want))
     assert got.penalties is not None and got.penalties.rows.tolist() == [0, 1, 2, 3, 5]
     assert got.seeded == want.seeded
+
+
+def test_exponential_noise_is_exp1_finite_and_positive() -> None:
+    """The race's noise: Exp(1) by its moments and tail (P(q > t) = e^-t), and never 0 or
+    infinite, even where the uniforms underneath hit their end points."""
+    gen = torch.Generator().manual_seed(0)
+    q = exponential_noise((2_000_000,), gen, torch.device("cpu"))
+    assert q.dtype == torch.float32 and bool(torch.isfinite(q).all()) and float(q.min()) > 0
+    assert abs(float(q.mean()) - 1) < 0.005 and abs(float(q.var()) - 1) < 0.01
+    for t in (0.05, 0.5, 1.0, 2.0, 4.0):
+        assert abs(float((q > t).double().mean()) / math.exp(-t) - 1) < 0.03
+    again = exponential_noise((2_000_000,), torch.Generator().manual_seed(0), torch.device("cpu"))
+    assert torch.equal(q, again)  # a function of the generator's state
