@@ -8,6 +8,7 @@ positions need logits.
 from __future__ import annotations
 
 import dataclasses
+from itertools import chain
 
 import numpy as np
 import torch
@@ -57,63 +58,76 @@ def build_step_inputs(
     device: torch.device,
     max_decode_chunk: int = MAX_DECODE_CHUNK,
 ) -> StepInputs:
-    """max_decode_chunk: the longest chunk laid out as decode rows (see `max_decode_chunk`)."""
+    """max_decode_chunk: the longest chunk laid out as decode rows (see `max_decode_chunk`).
+
+    The decode rows are laid out with numpy over all short chunks at once: at hundreds of
+    decoding requests a per-row Python loop cost milliseconds of host time per step."""
     bs = block_size
-    short = [len(c.token_ids) <= max_decode_chunk for c in chunks]
-    order = [i for i, c in enumerate(chunks) if short[i]]
-    num_short = len(order)
-    order += [i for i, c in enumerate(chunks) if not short[i]]
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    decode_rows: list[tuple[list[int], int]] = []  # (block table, context length) per query row
-    hidden_rows: dict[int, tuple[int, int]] = {}  # chunk index -> its rows in the flat batch
+    is_short = [len(c.token_ids) <= max_decode_chunk for c in chunks]
+    short = [c for c, s in zip(chunks, is_short) if s]
+    long_chunks = [c for c, s in zip(chunks, is_short) if not s]
+    input_ids = list(chain.from_iterable(c.token_ids for c in short))
+    num_decode = len(input_ids)
+    short_ends: list[int] = []  # each short chunk's end row in the flat batch, in short order
+    long_ends: list[int] = []
+    decode_tables = decode_lens = None
+    positions = slots = np.zeros(0, dtype=np.int64)
+    if short:
+        n = len(short)
+        counts = np.fromiter((len(c.token_ids) for c in short), np.int64, n)
+        starts = np.fromiter((c.start for c in short), np.int64, n)
+        widths = np.fromiter((len(c.block_ids) for c in short), np.int64, n)
+        tables = np.zeros((n, int(widths.max())), dtype=np.int64)
+        # Row-major True positions are each chunk's columns 0..width-1, in chunk order.
+        tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
+            chain.from_iterable(c.block_ids for c in short), np.int64, int(widths.sum())
+        )
+        row_ends = np.cumsum(counts)
+        if num_decode == n:  # one row per chunk: plain decodes
+            row_chunk, positions = np.arange(n), starts
+        else:
+            row_chunk = np.repeat(np.arange(n), counts)
+            positions = starts[row_chunk] + np.arange(num_decode) - (row_ends - counts)[row_chunk]
+        slots = tables[row_chunk, positions // bs] * bs + positions % bs
+        decode_tables = torch.from_numpy(tables if num_decode == n else tables[row_chunk])
+        decode_tables = decode_tables.to(device)
+        decode_lens = torch.from_numpy(positions + 1).to(device)
+        short_ends = row_ends.tolist()
+    long_positions: list[int] = []
+    long_slots: list[int] = []
     spans: list[PrefillSpan] = []
-    for rank, i in enumerate(order):
-        chunk = chunks[i]
+    for chunk in long_chunks:
         start_row = len(input_ids)
         end_pos = chunk.start + len(chunk.token_ids)
         input_ids.extend(chunk.token_ids)
-        if rank < num_short:
-            for pos in range(chunk.start, end_pos):
-                positions.append(pos)
-                slots.append(chunk.block_ids[pos // bs] * bs + pos % bs)
-                decode_rows.append((chunk.block_ids, pos + 1))
-        else:
-            pos_arr = np.arange(chunk.start, end_pos)
-            positions.extend(pos_arr.tolist())
-            blocks = np.asarray(chunk.block_ids, dtype=np.int64)
-            slots.extend((blocks[pos_arr // bs] * bs + pos_arr % bs).tolist())
-            table = None
-            if chunk.start > 0:
-                table = torch.tensor(chunk.block_ids[: -(-end_pos // bs)], device=device)
-            spans.append(PrefillSpan(start_row, len(input_ids), end_pos, table))
-        hidden_rows[i] = (start_row, len(input_ids))
-
-    num_decode = len(decode_rows)
-    decode_tables = decode_lens = None
-    if num_decode:
-        max_blocks = max(len(ids) for ids, _ in decode_rows)
-        table = np.zeros((num_decode, max_blocks), dtype=np.int64)
-        for row, (ids, _) in enumerate(decode_rows):
-            table[row, : len(ids)] = ids
-        decode_tables = torch.from_numpy(table).to(device)
-        decode_lens = torch.tensor([n for _, n in decode_rows], device=device)
+        pos_arr = np.arange(chunk.start, end_pos)
+        long_positions.extend(pos_arr.tolist())
+        blocks = np.asarray(chunk.block_ids, dtype=np.int64)
+        long_slots.extend((blocks[pos_arr // bs] * bs + pos_arr % bs).tolist())
+        table = None
+        if chunk.start > 0:
+            table = torch.tensor(chunk.block_ids[: -(-end_pos // bs)], device=device)
+        spans.append(PrefillSpan(start_row, len(input_ids), end_pos, table))
+        long_ends.append(len(input_ids))
 
     sample_rows: list[int] = []
-    for i, chunk in enumerate(chunks):
-        _, end = hidden_rows[i]
+    next_short, next_long = iter(short_ends), iter(long_ends)
+    for chunk, s in zip(chunks, is_short):
+        end = next(next_short) if s else next(next_long)
         sample_rows.extend(range(end - chunk.num_sampled, end))
+    if long_chunks:
+        positions = np.concatenate([positions, np.asarray(long_positions, dtype=np.int64)])
+        slots = np.concatenate([slots, np.asarray(long_slots, dtype=np.int64)])
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, device=device),
+        slot_mapping=torch.from_numpy(slots).to(device),
         num_decode=num_decode,
         decode_block_tables=decode_tables,
         decode_context_lens=decode_lens,
         prefills=spans,
     )
     return StepInputs(
-        input_ids=torch.tensor(input_ids, device=device),
-        positions=torch.tensor(positions, device=device),
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=torch.from_numpy(positions).to(device),
         meta=meta,
         sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
         sample_ranges=sample_ranges(chunks),

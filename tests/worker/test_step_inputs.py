@@ -83,3 +83,44 @@ def test_short_chunks_stay_prefill_spans_where_decode_attention_would_gather(mon
     assert meta.num_decode == 1
     (span,) = meta.prefills
     assert (span.start, span.end, span.context_len) == (1, 5, 10)
+
+
+def test_random_layouts_match_the_per_row_definition():
+    """Mixed steps (decodes, verifies, short and long prompt chunks, shuffled): every tensor is
+    what the layout's definition gives row by row."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(50):
+        chunks = []
+        for _ in range(rng.randrange(1, 12)):
+            n = rng.choice([1, 1, 1, 3, 5, MAX_DECODE_CHUNK, MAX_DECODE_CHUNK + 7])
+            start = rng.randrange(0, 40)
+            blocks = rng.sample(range(200), -(-(start + n) // BS) + rng.randrange(0, 3))
+            ids = [rng.randrange(1000) for _ in range(n)]
+            chunks.append(Chunk(ids, start, blocks, rng.choice([0, 1, min(n, 2)])))
+        inputs = build_step_inputs(chunks, BS, torch.device("cpu"))
+        short = [c for c in chunks if len(c.token_ids) <= MAX_DECODE_CHUNK]
+        ordered = short + [c for c in chunks if len(c.token_ids) > MAX_DECODE_CHUNK]
+        rows = [(c, c.start + j) for c in ordered for j in range(len(c.token_ids))]
+        assert inputs.input_ids.tolist() == [c.token_ids[p - c.start] for c, p in rows]
+        assert inputs.positions.tolist() == [p for _, p in rows]
+        slots = [c.block_ids[p // BS] * BS + p % BS for c, p in rows]
+        assert inputs.meta.slot_mapping.tolist() == slots
+        num_decode = sum(len(c.token_ids) for c in short)
+        assert inputs.meta.num_decode == num_decode
+        if num_decode:
+            width = max(len(c.block_ids) for c in short)
+            tables = [c.block_ids + [0] * (width - len(c.block_ids)) for c, _ in rows[:num_decode]]
+            assert inputs.meta.decode_block_tables.tolist() == tables
+            assert inputs.meta.decode_context_lens.tolist() == [p + 1 for _, p in rows[:num_decode]]
+        else:
+            assert inputs.meta.decode_block_tables is None
+        end_row, ends = 0, {}
+        for c in ordered:
+            end_row += len(c.token_ids)
+            ends[id(c)] = end_row
+        expected = [r for c in chunks for r in range(ends[id(c)] - c.num_sampled, ends[id(c)])]
+        assert inputs.sample_rows.tolist() == expected
+        for dtype_of in (inputs.input_ids, inputs.positions, inputs.meta.slot_mapping):
+            assert dtype_of.dtype == torch.int64
