@@ -10,7 +10,11 @@ size to show where speculation stops paying (the adaptive cut-off). Writes JSON 
 With an EAGLE head (docs/speculation.md) an `eagle` arm joins, and a chat workload (held-out
 questions through the model's chat template) runs when the tokenizer has one:
 
-    .venv/bin/python benchmarks/speculative.py --model smollm2 --eagle /tmp/smollm2-eagle --no-draft
+    .venv/bin/python benchmarks/speculative.py --model smollm2 --eagle models/smollm2-eagle \
+        --no-draft
+
+(On SmolLM2 `--speculative draft` itself loads that bundled head, so its draft arm would repeat
+the eagle arm.)
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import time
 
 from bench_utils import write_result
 
-from common.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
+from common.config import DEFAULT_MODEL
+from common.model_registry import default_draft, resolve_model
 from services.engine import LLM, SamplingParams
 
 PROMPTS = [
@@ -103,7 +108,8 @@ def main() -> None:
         for mode, opts in modes.items()
     }
     copy_prompts = copy_heavy_prompts(engines["none"], a.max_tokens)
-    results: dict = {"model": a.model, "draft": str(DEFAULT_DRAFT_MODEL), "k": a.k}
+    draft = str(default_draft(resolve_model(a.model)))  # what `--speculative draft` loads
+    results: dict = {"model": a.model, "draft": draft, "k": a.k}
     if a.eagle:
         results["eagle"] = a.eagle
     workloads = [("shakespeare", PROMPTS), ("copy-heavy", copy_prompts)]

