@@ -327,7 +327,10 @@ def run(
         loss_value = float(loss.detach())
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}")
-        if budget is not None and elapsed >= next_eval:  # the training curve, once a minute
+        # The training curve: once a minute with a time budget, every tenth of the steps with
+        # a step count (so a fixed-step run has one too).
+        due = elapsed >= next_eval if budget is not None else step % max(1, cfg.steps // 10) == 0
+        if due and step < cfg.steps:
             at_least, _, _ = chain_acceptance(net, embed, lm_head, held, device, SPEC_K)
             curve.append((elapsed / 60, sum(at_least)))
             next_eval = elapsed + 60
