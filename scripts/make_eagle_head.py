@@ -54,6 +54,16 @@ def prompts(seed: int = 0) -> list[str]:
     return out
 
 
+def card_says_this_script(out: Path, steps: int) -> None:
+    """The model card names this script, not the temporary prompt file and local paths."""
+    card = out / "README.md"
+    lines = card.read_text().splitlines()
+    made = [i for i, line in enumerate(lines) if line.startswith("    stoker train-draft ")]
+    if made:
+        lines[made[0]] = f"    .venv/bin/python scripts/make_eagle_head.py --steps {steps}"
+        card.write_text("\n".join(lines) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=500)
@@ -80,6 +90,8 @@ def main() -> int:
             "--device", "cpu", "--head-dtype", "bfloat16", "--seed", "0",
         ]  # fmt: skip
         code = train_draft(argv)
+    if code == 0:
+        card_says_this_script(Path(args.out), args.steps)
     if code == 0:  # the training curve for docs/speculation.md
         from plot_eagle_curve import main as plot
 
