@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_utils import write_result  # noqa: E402  (puts the repo on sys.path)
 
 from common.ipc import encoder  # noqa: E402
 from common.messages import RequestTokens, StepPlan, StepResult, TokenBatch, pack_ids  # noqa: E402
@@ -110,7 +111,6 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--out", default="benchmarks/results/scheduler_step.json")
     args = ap.parse_args()
     results = [run(n, args.steps, args.prompt_len, args.block_size) for n in args.running]
     for r in results:
@@ -120,8 +120,7 @@ def main() -> None:
             f"update {r['update']['p50_us']:7.1f} (p99 {r['update']['p99_us']:7.1f}), "
             f"publish {r['publish']['p50_us']:6.1f}"
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"results": results}, indent=2))
+    print("wrote", write_result("scheduler_step", {"results": results}))
 
 
 if __name__ == "__main__":

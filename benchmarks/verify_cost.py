@@ -1,4 +1,5 @@
-"""What a speculative verify costs against one decode step, from the GEMMs alone.
+"""What a speculative verify costs against one decode step: the GEMMs alone, then the whole
+worker step.
 
 A verify of k drafts runs the target over k + 1 rows of one request. Where the linear layers are
 bound by reading the weights, k + 1 rows cost about what one row costs, and speculation pays
@@ -18,14 +19,15 @@ non-adaptive), each split into the worker's prepare, forward and sample times.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_utils import write_result  # noqa: E402  (puts the repo on sys.path)
 
 from common.model_config import ModelConfig  # noqa: E402
 from common.model_registry import resolve_model  # noqa: E402
@@ -103,7 +105,6 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8])
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--engine-steps", type=int, default=120, help="0: GEMMs only")
-    ap.add_argument("--out", default="benchmarks/results/verify_cost.json")
     args = ap.parse_args()
     cfg = ModelConfig.from_folder(resolve_model(args.model))
     torch.manual_seed(0)
@@ -171,8 +172,7 @@ def main() -> None:
                 f"in-process engine {r['engine_tok_s']} tok/s, {r['tokens_per_step']} tokens/step"
             )
         print(f"a 5-row verify step costs {e['verify_vs_decode']}x a decode step")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    print("wrote", write_result("verify_cost", result))
 
 
 if __name__ == "__main__":

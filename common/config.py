@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from common.model_registry import default_draft, resolve_model
+from common.model_registry import BUNDLED_DIR, DEFAULT_DRAFT, default_draft, resolve_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "stoker-tiny"
-DEFAULT_DRAFT_MODEL = REPO_ROOT / "models" / "stoker-tiny-draft"
+DEFAULT_DRAFT_MODEL = BUNDLED_DIR / DEFAULT_DRAFT  # --speculative draft on any other model
 
 
 @dataclasses.dataclass

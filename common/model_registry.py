@@ -90,15 +90,22 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
     return path  # not a known name: the loader says the path does not exist
 
 
+def fetched_name(path: str | os.PathLike[str]) -> str | None:
+    """The short name of the fetched model whose cache folder `path` is, else None."""
+    resolved = Path(path).resolve()
+    for name in FETCHED:
+        if resolved == cached_model_path(name).resolve():
+            return name
+    return None
+
+
 def default_draft(model: str | os.PathLike[str]) -> Path:
     """The bundled draft for `--speculative draft` without `--speculative-model`: the fetched
-    model's own (its EAGLE head) when it is bundled, else the toy model's draft."""
-    resolved = Path(model).resolve()
-    for fetched in FETCHED.values():
-        head = BUNDLED_DIR / fetched.draft if fetched.draft else None
-        same = resolved == (model_cache_dir() / fetched.folder).resolve()
-        if head is not None and same and (head / "config.json").is_file():
-            return head
+    model's own (its EAGLE head) when it is built, else the toy model's draft."""
+    name = fetched_name(model)
+    draft = FETCHED[name].draft if name is not None else None
+    if draft is not None and (BUNDLED_DIR / draft / "config.json").is_file():
+        return BUNDLED_DIR / draft
     return BUNDLED_DIR / DEFAULT_DRAFT
 
 
@@ -109,9 +116,8 @@ def served_model_name(model: str | os.PathLike[str]) -> str:
         return DEFAULT_REAL_MODEL if is_fetched(DEFAULT_REAL_MODEL) else FALLBACK_MODEL
     if text in BUNDLED or text in FETCHED:
         return text
-    resolved = resolve_model(text)
-    for name in FETCHED:
-        if resolved.resolve() == cached_model_path(name).resolve():
-            return name
+    name = fetched_name(resolve_model(text))
+    if name is not None:
+        return name
     path = Path(os.path.normpath(text))
     return path.stem if path.suffix == ".gguf" else path.name

@@ -251,11 +251,10 @@ class Sampler:
         if len(batch.seeded) < like.shape[0]:
             q = exponential_noise(like.shape, self.generator, like.device)
         else:
-            q = torch.empty_like(like)
+            q = torch.empty_like(like)  # every row is seeded and overwritten below
         for row, seed, position in batch.seeded:  # own stream: independent of the batch
             q[row] = seeded_noise(seed, position, like.shape[-1], like.device)
-        # Some backends can return exactly 0; p / 0 would give inf (or nan for filtered p = 0).
-        return q.clamp_min_(torch.finfo(q.dtype).tiny)
+        return q  # finite and positive (exponential_noise): no clamp needed
 
 
 def exponential_noise(
