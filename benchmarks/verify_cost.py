@@ -31,7 +31,7 @@ from bench_utils import write_result  # noqa: E402  (puts the repo on sys.path)
 
 from common.model_config import ModelConfig  # noqa: E402
 from common.model_registry import resolve_model  # noqa: E402
-from services.worker.models.layers import linear  # noqa: E402
+from services.worker.models.layers import linear, pack_weight  # noqa: E402
 
 
 def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -109,9 +109,10 @@ def main() -> None:
     cfg = ModelConfig.from_folder(resolve_model(args.model))
     torch.manual_seed(0)
     layers = [
-        [torch.randn(o, i).to_mkldnn() for o, i in layer_shapes(cfg)] for _ in range(cfg.num_layers)
+        [pack_weight(torch.randn(o, i)) for o, i in layer_shapes(cfg)]
+        for _ in range(cfg.num_layers)
     ]
-    head = torch.randn(cfg.vocab_size, cfg.hidden_size).to_mkldnn()
+    head = pack_weight(torch.randn(cfg.vocab_size, cfg.hidden_size))
     layer_params = sum(o * i for o, i in layer_shapes(cfg)) * cfg.num_layers
     head_params = cfg.vocab_size * cfg.hidden_size
 
