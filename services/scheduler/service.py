@@ -511,8 +511,13 @@ class SchedulerService:
 
 
 async def _serve(service: SchedulerService) -> None:
+    # SIGTERM through the loop: a plain Python handler may not run while uvloop sits in
+    # epoll_wait with nothing else due, and the process then ignores SIGTERM.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     try:
         await service.run()
+    except asyncio.CancelledError:
+        log.info("SIGTERM: scheduler stopping")
     except EngineStalled as e:
         service._fail_all(str(e))  # inside the loop: the router is an asyncio socket
         raise
