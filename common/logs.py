@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import traceback
 from types import TracebackType
@@ -83,6 +85,10 @@ def configure_logging(
     if log_format == "json":
         logging.captureWarnings(True)
         sys.excepthook = _log_uncaught
+    # `kill -USR2 <pid>` prints every thread's Python stack to stderr, even while the main
+    # thread is blocked in C (a stuck socket call, a hung exit): the first thing to look at.
+    if hasattr(signal, "SIGUSR2"):
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 
 def _log_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:

@@ -46,6 +46,7 @@ from common.messages import (
 )
 from common.model_config import ModelConfig
 from common.profiling import Profiler, span
+from common.shutdown import exit_on_sigterm, stop_within
 from common.telemetry import BusyTracker, IdleGapAccounting, StepTelemetry
 from common.validation import check_request
 from services.engine_args import add_engine_args, engine_config_from_args
@@ -513,7 +514,14 @@ class SchedulerService:
 async def _serve(service: SchedulerService) -> None:
     # SIGTERM through the loop: a plain Python handler may not run while uvloop sits in
     # epoll_wait with nothing else due, and the process then ignores SIGTERM.
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+    task = asyncio.current_task()
+    assert task is not None
+
+    def on_sigterm() -> None:
+        stop_within()
+        task.cancel()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
     try:
         await service.run()
     except asyncio.CancelledError:
@@ -536,7 +544,7 @@ def main(argv: list[str] | None = None) -> None:
     add_log_format_arg(parser)
     args = parser.parse_args(argv)
     configure_logging("scheduler", args.log_format)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     service = SchedulerService(
         engine_config_from_args(args),
         Addresses.from_env(),

@@ -11,7 +11,6 @@ import argparse
 import logging
 import os
 import signal
-import sys
 import time
 
 import msgspec
@@ -23,6 +22,7 @@ from common.ipc import encoder, plan_decoder
 from common.logs import add_log_format_arg, configure_logging
 from common.messages import ProfileControl, SchedulerHello, WorkerReady
 from common.profiling import Profiler
+from common.shutdown import exit_on_sigterm
 from common.telemetry import plan_ipc_time
 from services.engine_args import add_engine_args, engine_config_from_args
 from services.worker.model_runner import ModelRunner
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     add_log_format_arg(parser)
     args = parser.parse_args(argv)
     configure_logging("worker", args.log_format)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     run_worker(engine_config_from_args(args), Addresses.from_env(), args.profile_dir)
 
 

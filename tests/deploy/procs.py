@@ -77,5 +77,7 @@ def stop_all(procs, timeout: float = 20.0) -> None:
         try:
             p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGUSR2)  # its threads' stacks go to stderr (common/logs.py)
+            time.sleep(1.0)
             p.kill()
             raise
