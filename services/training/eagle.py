@@ -55,6 +55,9 @@ class EagleTrainConfig:
     temperature: float = 0.8  # of the sampled continuations
     device: str = "auto"
     loss_rows: int | None = 1024  # per unrolled step and batch (see unrolled_loss)
+    # Draft over the target's most frequent tokens only (EAGLE-3): a smaller LM head makes
+    # each draft step and each training step cheaper. 0, or the target's size: every token.
+    draft_vocab: int = 8192
     save_dtype: str = "float32"  # bfloat16 halves the folder (SmolLM2's head: 21 -> 10 MB)
 
 
@@ -72,6 +75,8 @@ class EagleReport:
     per_position: list[float]  # P(the first i drafts are all accepted), i = 1..k
     accept_k: float  # mean accepted drafts per verify of k = SPEC_K (0..k)
     top1_step: list[float]  # per unrolled step: top-1 agreement with the target's argmax
+    draft_vocab: int  # 0: the whole vocabulary
+    coverage: float  # share of held-out target tokens inside the draft vocabulary
     final_loss: float
     curve: list[tuple[float, float]]  # (training minutes, held-out accept_k)
     # Served: stoker's engine with the saved head, greedy, k = SPEC_K fixed, held-out prompts.
@@ -179,6 +184,17 @@ def collect(
     )
 
 
+def choose_draft_vocab(labels: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor | None:
+    """The `size` target tokens that the target emits most often in the training data (its
+    argmax labels), ties and the remainder filled by lowest id; sorted. None: every token."""
+    if size <= 0 or size >= vocab_size:
+        return None
+    counts = torch.bincount(labels.flatten(), minlength=vocab_size).double()
+    # A stable descending sort on counts keeps ties in id order.
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return torch.sort(order[:size]).values
+
+
 def unrolled_loss(
     net: EagleNet,
     embed: torch.Tensor,
@@ -191,16 +207,24 @@ def unrolled_loss(
     max_rows: int | None = None,
     gen: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Weighted CE over the unrolled steps, and each step's argmax [B, T] (max_rows None).
-    max_rows: the loss of each step on at most this many random valid rows: the LM head over a
-    large vocabulary dominates a step's cost, and neighbouring rows carry similar signal."""
+    """Weighted CE over the unrolled steps, and each step's argmax [B, T] as target ids (-1
+    where not computed; max_rows None). max_rows: the loss of each step on at most this many
+    random valid rows: the LM head over a large vocabulary dominates a step's cost, and
+    neighbouring rows carry similar signal. With a draft vocabulary (net.d2t) the logits cover
+    only it, and rows whose label lies outside it are left out: no draft can match them."""
     outs = net.unroll(F.embedding(tokens, embed), taps.to(embed.dtype), steps)
+    d2t = net.d2t
+    if d2t is not None:
+        lm_head = lm_head[d2t]
+        t2d = torch.full((embed.shape[0],), -1, dtype=torch.long, device=tokens.device)
+        t2d[d2t] = torch.arange(len(d2t), device=tokens.device)
+        labels = t2d[labels]
     total = torch.zeros((), device=tokens.device)
     preds = []
     T = tokens.shape[1]
     for j, out in enumerate(outs):
         valid = (mask & (torch.arange(T, device=tokens.device) >= j)[None, :]).flatten()
-        rows = torch.nonzero(valid).flatten()
+        rows = torch.nonzero(valid & (labels.flatten() >= 0)).flatten()
         if max_rows is not None and len(rows) > max_rows:
             pick = torch.randperm(len(rows), generator=gen)[:max_rows]
             rows = rows[pick.to(rows.device)]
@@ -208,8 +232,9 @@ def unrolled_loss(
         loss = F.cross_entropy(logits, labels.flatten()[rows]) if len(rows) else logits.sum()
         total = total + STEP_DECAY**j * loss
         if max_rows is None:
-            full = torch.zeros(valid.shape, dtype=torch.long, device=tokens.device)
-            full[rows] = logits.argmax(-1)
+            full = torch.full(valid.shape, -1, dtype=torch.long, device=tokens.device)
+            best = logits.argmax(-1)
+            full[rows] = best if d2t is None else d2t[best]
             preds.append(full.view(tokens.shape))
     return total, preds
 
@@ -267,8 +292,6 @@ def run(
     device = _device(cfg.device)
     raw_target = json.loads((target_dir / "config.json").read_text())
     layers = cfg.target_layers or default_target_layers(raw_target["num_hidden_layers"])
-    head_raw = head_config_dict(raw_target, layers, cfg.num_layers)
-    ecfg = EagleConfig.from_dict(head_raw)
 
     n_hold = max(1, int(len(prompts) * cfg.holdout_frac))
     if len(prompts) - n_hold < 1:
@@ -288,7 +311,14 @@ def run(
         held = Data(*(getattr(data, f.name)[-2:] for f in dataclasses.fields(Data)))
         held.greedy[:] = True
 
-    net = EagleNet(ecfg, seed=cfg.seed).to(device)
+    d2t = choose_draft_vocab(train.labels[train.mask], lm_head.shape[0], cfg.draft_vocab)
+    head_raw = head_config_dict(raw_target, layers, cfg.num_layers, 0 if d2t is None else len(d2t))
+    held_labels = held.labels[held.mask]
+    coverage = 1.0 if d2t is None else float(torch.isin(held_labels, d2t).double().mean())
+    net = EagleNet(EagleConfig.from_dict(head_raw), seed=cfg.seed).to(device)
+    if d2t is not None:
+        assert net.d2t is not None
+        net.d2t.copy_(d2t)
     opt = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(cfg.seed)
     budget = None if cfg.minutes is None else cfg.minutes * 60
@@ -355,6 +385,8 @@ def run(
         per_position=at_least,
         accept_k=sum(at_least),
         top1_step=top1,
+        draft_vocab=0 if d2t is None else len(d2t),
+        coverage=coverage,
         final_loss=loss_value,
         curve=curve,
         engine_per_position=engine_pos,
@@ -393,7 +425,8 @@ def save_head(
     out_dir.mkdir(parents=True, exist_ok=True)
     config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file({k: v.to(dtype) for k, v in net.head_state().items()}, str(out_dir / WEIGHTS))
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in net.head_state().items()}
+    save_file(state, str(out_dir / WEIGHTS))
 
 
 def card(r: EagleReport, target_name: str, command: str) -> str:
@@ -401,6 +434,12 @@ def card(r: EagleReport, target_name: str, command: str) -> str:
     engine_pos = ", ".join(f"{p:.1%}" for p in r.engine_per_position)
     top1 = ", ".join(f"{p:.1%}" for p in r.top1_step)
     curve = "\n".join(f"| {m:.1f} | {a:.2f} |" for m, a in r.curve)
+    vocab = (
+        "the target's whole vocabulary"
+        if not r.draft_vocab
+        else f"{r.draft_vocab:,} tokens, the target's most frequent in the training data "
+        f"({r.coverage:.1%} of held-out target tokens)"
+    )
     return f"""# EAGLE head for {target_name}
 
 A draft head for stoker's speculative decoding (`--speculative-model` this folder): one
@@ -414,6 +453,7 @@ Made with:
 | | |
 |---|---|
 | parameters | {r.params:,} |
+| draft vocabulary | {vocab} |
 | training | {r.steps} steps, {r.train_s / 60:.1f} min, {r.sequences} sequences |
 | training tokens | {r.tokens:,} |
 | data generation | {r.gen_s / 60:.1f} min (the target's greedy and sampled continuations) |

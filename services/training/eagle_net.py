@@ -123,6 +123,8 @@ class _Layer(nn.Module):
 class EagleNet(nn.Module):
     """Parameters named as the worker's EagleHead's state dict, so saving is a plain copy."""
 
+    d2t: torch.Tensor | None
+
     def __init__(self, cfg: EagleConfig, seed: int = 0) -> None:
         super().__init__()
         gen = torch.Generator().manual_seed(seed)
@@ -141,6 +143,10 @@ class EagleNet(nn.Module):
         )
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        if cfg.draft_vocab_size:  # saved with the head: draft index -> target token id
+            self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size))
+        else:
+            self.d2t = None
 
     def unroll(self, embeds: torch.Tensor, taps: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """embeds [B, T, h] (the target's embedding of each position's token), taps [B, T,
@@ -163,4 +169,8 @@ class EagleNet(nn.Module):
         return outs
 
     def head_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().float().contiguous() for k, v in self.state_dict().items()}
+        """Float tensors as float32; d2t stays int64."""
+        return {
+            k: (v.detach().float() if v.is_floating_point() else v.detach()).contiguous()
+            for k, v in self.state_dict().items()
+        }

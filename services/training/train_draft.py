@@ -47,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="auto", help="eagle: training device (default: cuda if any)")
     p.add_argument("--head-dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=8192,
+        help="eagle: draft over the target's N most frequent tokens (EAGLE-3's reduced "
+        "vocabulary; a cheaper LM head per draft step); 0: every token (default 8192)",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--corpus", type=Path, help="UTF-8 text: prompts, training text, held-out")
     src.add_argument("--prompts", type=Path, help="a text file with one prompt per line")
@@ -231,6 +238,7 @@ def _run_eagle(args: argparse.Namespace, prompts: list[list[int]]) -> int:
         num_layers=args.head_layers,
         device=args.device,
         save_dtype=args.head_dtype,
+        draft_vocab=args.draft_vocab,
     )
     report = eagle.run(args.target, args.out, prompts, cfg)
     command = f"stoker train-draft {shlex.join(sys.argv[1:] if args.argv is None else args.argv)}"

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.training.eagle import save_head
 from services.training.eagle_net import EagleNet
@@ -15,20 +16,33 @@ from tests.factory import make_model
 from tests.spec.spec_models import SpecModels
 
 
-def make_head(target: Path, out: Path, seed: int = 0, num_layers: int = 1) -> Path:
+def make_head(
+    target: Path, out: Path, seed: int = 0, num_layers: int = 1, draft_vocab: int = 0
+) -> Path:
+    """draft_vocab > 0: a reduced draft vocabulary of that many random target ids."""
     raw = json.loads((target / "config.json").read_text())
-    config = head_config_dict(raw, default_target_layers(raw["num_hidden_layers"]), num_layers)
-    save_head(out, config, EagleNet(EagleConfig.from_dict(config), seed=seed))
+    layers = default_target_layers(raw["num_hidden_layers"])
+    config = head_config_dict(raw, layers, num_layers, draft_vocab)
+    net = EagleNet(EagleConfig.from_dict(config), seed=seed)
+    if net.d2t is not None:
+        net.d2t.copy_(random_vocab(raw["vocab_size"], draft_vocab, seed))
+    save_head(out, config, net)
     return out
 
 
-def train_head(target: Path, out: Path, steps: int = 200) -> Path:
-    """`stoker train-draft --method eagle` for a few seconds on a tiny target (fixed seeds)."""
+def random_vocab(vocab_size: int, size: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.sort(torch.randperm(vocab_size, generator=gen)[:size]).values
+
+
+def train_head(target: Path, out: Path, steps: int = 200, draft_vocab: int = 256) -> Path:
+    """`stoker train-draft --method eagle` for a few seconds on a tiny target (fixed seeds),
+    by default drafting over half its 512 tokens (the reduced-vocabulary path)."""
     from services.training.train_draft import main
 
     argv = ["--method", "eagle", "--target", str(target), "--out", str(out)]
     argv += ["--num-prompts", "40", "--gen-tokens", "40", "--steps", str(steps)]
-    argv += ["--lr", "3e-3", "--device", "cpu"]
+    argv += ["--lr", "3e-3", "--device", "cpu", "--draft-vocab", str(draft_vocab)]
     assert main(argv) == 0
     return out
 
@@ -54,13 +68,15 @@ def head_factory(
     return get
 
 
-def oracle_pair(root: Path, noise: float = 0.0, seed: int = 0) -> tuple[Path, Path]:
+def oracle_pair(
+    root: Path, noise: float = 0.0, seed: int = 0, draft_vocab: int = 0
+) -> tuple[Path, Path]:
     """A 1-layer Llama target whose embedding rows have unit RMS, and a head that is that
     target: in_proj passes the (then unchanged by its norm) embedding through and ignores the
     feature, its layer and final norm are the target's. So its drafts are the target's own
     tokens and its q the target's p (noise > 0: Gaussian noise of noise * each weight's std on
-    the copied layer, for partial acceptance)."""
-    import torch
+    the copied layer, for partial acceptance; draft_vocab > 0: it drafts only over that many
+    random ids, so q is zero on the rest and their mass comes from the residual)."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
@@ -73,7 +89,7 @@ def oracle_pair(root: Path, noise: float = 0.0, seed: int = 0) -> tuple[Path, Pa
             emb /= emb.pow(2).mean(-1, keepdim=True).sqrt()
         model.save_pretrained(target)
     raw = json.loads((target / "config.json").read_text())
-    config = head_config_dict(raw, (0,), 1)
+    config = head_config_dict(raw, (0,), 1, draft_vocab)
     weights = {}
     from safetensors import safe_open
 
@@ -103,7 +119,9 @@ def oracle_pair(root: Path, noise: float = 0.0, seed: int = 0) -> tuple[Path, Pa
         "layers.0.mlp.down_proj": noisy(weights[layer + "mlp.down_proj.weight"]),
         "norm": weights["model.norm.weight"],
     }
-    head = root / f"oracle-head-{noise}"
+    if draft_vocab:
+        state["d2t"] = random_vocab(raw["vocab_size"], draft_vocab, seed)
+    head = root / f"oracle-head-{noise}-{draft_vocab}"
     head.mkdir(parents=True, exist_ok=True)
     (head / "config.json").write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in state.items()}, str(head / "model.safetensors"))

@@ -76,40 +76,51 @@ def test_greedy_with_eagle_head_is_exact(
 
 
 @pytest.fixture(scope="session")
-def oracle(tmp_path_factory: pytest.TempPathFactory) -> Callable[[float], tuple[Path, Path]]:
-    """noise -> (a 1-layer target, a head that is that target with noise on its layer)."""
+def oracle(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, Path]]:
+    """(noise, draft_vocab=0) -> (a 1-layer target, a head that is that target with noise on
+    its layer, drafting over draft_vocab random ids when > 0)."""
     root = tmp_path_factory.mktemp("eagle-oracle")
-    return lambda noise: oracle_pair(root, noise)
+    return lambda noise, draft_vocab=0: oracle_pair(root, noise, draft_vocab=draft_vocab)
 
 
 @pytest.mark.parametrize(
-    "name, noise", [("mixed", 0.0), ("preempt", 0.0), ("prefix", 0.3), ("chunked", 0.3)]
+    "name, noise, draft_vocab",
+    [
+        ("mixed", 0.0, 0),
+        ("preempt", 0.0, 0),
+        ("prefix", 0.3, 0),
+        ("chunked", 0.3, 0),
+        ("mixed", 0.0, 384),
+    ],
 )
 def test_greedy_with_an_oracle_head_is_exact(
-    oracle: Callable[[float], tuple[Path, Path]], name: str, noise: float
+    oracle: Callable[..., tuple[Path, Path]], name: str, noise: float, draft_vocab: int
 ) -> None:
     """A head that computes the target itself: every draft accepted, so positions, features and
-    the head's K/V line up with the target's; with noise, partial acceptance."""
-    target, head = oracle(noise)
+    the head's K/V line up with the target's; with noise, partial acceptance. Over a reduced
+    draft vocabulary it misses exactly where the target's token lies outside it."""
+    target, head = oracle(noise, draft_vocab)
     models = SpecModels(target, target, target)
     prompts, params, ref = reference(f"oracle-{noise}", name, models)
     got = generate(target, prompts, params, speculative_model=str(head), **SCENARIOS[name].options)
     assert got.outputs == ref.outputs
     stats = spec_stats(got.llm.engine.scheduler)
     assert stats.drafts > 0
-    if noise == 0.0:
+    if noise == 0.0 and not draft_vocab:
         assert stats.accepted_tokens == stats.draft_tokens
     else:
         assert 0 < stats.accepted_tokens < stats.draft_tokens
 
 
+@pytest.mark.parametrize("draft_vocab", [0, 256])
 def test_sampled_with_eagle_head_follows_the_target_distribution(
-    oracle: Callable[[float], tuple[Path, Path]],
+    oracle: Callable[..., tuple[Path, Path]], draft_vocab: int
 ) -> None:
     """The statistical check of test_spec_sampling_e2e.py (8 000 requests in one batch, the
     empirical joint of 3 tokens against transformers'), with a noisy oracle head: q near p,
-    so drafts are accepted, rejected and resampled from the residual."""
-    target, head = oracle(0.3)
+    so drafts are accepted, rejected and resampled from the residual. With a reduced draft
+    vocabulary q is zero on half the tokens, whose mass must come from the residual alone."""
+    target, head = oracle(0.3, draft_vocab)
     got, llm = sampled_joint(target, head, seed=5)
     assert_close(got, target_joint(target))
     stats = spec_stats(llm.engine.scheduler)
@@ -133,7 +144,7 @@ def test_seeded_request_replays_with_eagle_head(
 def test_graph_path_decode_steps_between_verifies(
     spec_models: Callable[[str], SpecModels],
     eagle_head: Callable[[str, str], Path],
-    oracle: Callable[[float], tuple[Path, Path]],
+    oracle: Callable[..., tuple[Path, Path]],
     kind: str,
 ) -> None:
     """Decode-only steps on the CUDA-graph path (run eagerly on CPU) do not tap: the head reads

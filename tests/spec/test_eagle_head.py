@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from common.model_config import ModelConfig, ModelLoadError
 from common.sampling_params import SamplingParams
 from services.engine import LLM
+from services.training.eagle import choose_draft_vocab
 from services.training.eagle_net import EagleNet
 from services.worker.eagle.config import EagleConfig, default_target_layers, is_eagle_head
 from services.worker.eagle.proposer import EagleProposer, chunk_rows
@@ -32,13 +33,19 @@ def _kv(cfg: ModelConfig, blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]
     return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
 
 
-@pytest.mark.parametrize("arch, extra", [("llama", {}), ("qwen3", {"head_dim": 32})])
-def test_worker_chain_is_what_training_unrolls(tmp_path: Path, arch: str, extra: dict) -> None:
+@pytest.mark.parametrize(
+    "arch, extra, draft_vocab",
+    [("llama", {}, 0), ("qwen3", {"head_dim": 32}, 0), ("llama", {}, 96)],
+)
+def test_worker_chain_is_what_training_unrolls(
+    tmp_path: Path, arch: str, extra: dict, draft_vocab: int
+) -> None:
     """Prefill, record the taps, propose k = 4 greedily; then feed prompt + drafts to the
     training module's unroll: its step j at the chain's row must predict draft j + 1. So the
-    training-time test trains exactly what the worker runs (features, positions, masks)."""
+    training-time test trains exactly what the worker runs (features, positions, masks, and
+    the reduced draft vocabulary's ids)."""
     target_dir = make_model(tmp_path / "t", arch, num_layers=4, **extra)
-    head_dir = make_head(target_dir, tmp_path / "h", seed=3)
+    head_dir = make_head(target_dir, tmp_path / "h", seed=3, draft_vocab=draft_vocab)
     cfg = ModelConfig.from_folder(target_dir)
     target = load_model(target_dir, torch.float32, "cpu", 256)
     prop = EagleProposer(head_dir, target, cfg, BLOCK, torch.float32, CPU, 256)
@@ -74,7 +81,14 @@ def test_worker_chain_is_what_training_unrolls(tmp_path: Path, arch: str, extra:
         embeds = target.embed(torch.tensor(seq))[None]
         outs = net.unroll(embeds, taps, 4)
     s = len(known) - 1  # the chain starts at the last known token
-    trained = [int(target.compute_logits(outs[j][0, s + j]).argmax()) for j in range(4)]
+    logits = [target.compute_logits(outs[j][0, s + j]) for j in range(4)]
+    if draft_vocab:
+        d2t = net.d2t
+        assert d2t is not None and len(d2t) == draft_vocab
+        trained = [int(d2t[row[d2t].argmax()]) for row in logits]
+        assert set(drafts) <= set(d2t.tolist())
+    else:
+        trained = [int(row.argmax()) for row in logits]
     assert trained == drafts
 
 
@@ -109,6 +123,36 @@ def test_heads_that_do_not_fit_the_target_are_refused(tmp_path: Path) -> None:
     (head / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelLoadError, match="reads layers"):
         EagleConfig.from_folder(head).check_target(ModelConfig.from_folder(target), head)
+
+
+def test_draft_vocabularies_that_do_not_fit_are_refused(tmp_path: Path) -> None:
+    target = make_model(tmp_path / "t", "llama")
+    head = make_head(target, tmp_path / "h", draft_vocab=64)
+    weights = head / "model.safetensors"
+    state = load_file(str(weights))
+    for bad, why in [
+        (torch.full((64,), 3), "distinct"),
+        (torch.arange(64) + 500, "below 512"),
+        (torch.arange(32), "64 ids"),
+    ]:
+        save_file({**state, "d2t": bad}, str(weights))
+        with pytest.raises(ModelLoadError, match=why):
+            LLM(str(target), num_kv_blocks=64, speculative_model=str(head))
+    raw = json.loads((head / "config.json").read_text())
+    raw["draft_vocab_size"] = 1000
+    (head / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="draft vocabulary of 1000"):
+        EagleConfig.from_folder(head).check_target(ModelConfig.from_folder(target), head)
+
+
+def test_draft_vocab_is_the_most_frequent_labels() -> None:
+    labels = torch.tensor([7, 7, 7, 3, 3, 9, 9, 1])  # 3 and 9 tie: the lower id first
+    assert choose_draft_vocab(labels, 16, 3).tolist() == [3, 7, 9]
+    assert choose_draft_vocab(labels, 16, 2).tolist() == [3, 7]
+    # Fewer distinct labels than the size: the rest by lowest id.
+    assert choose_draft_vocab(labels, 16, 6).tolist() == [0, 1, 2, 3, 7, 9]
+    assert choose_draft_vocab(labels, 16, 0) is None
+    assert choose_draft_vocab(labels, 16, 16) is None
 
 
 def test_tensor_parallel_with_a_head_is_refused(tmp_path: Path) -> None:

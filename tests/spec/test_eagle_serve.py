@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from safetensors import safe_open
 
 from services.engine import LLM, SamplingParams
@@ -41,13 +42,17 @@ def test_trained_folder_holds_the_head_and_its_card(eagle_head) -> None:
     config = json.loads((head / "config.json").read_text())
     assert config["architectures"] == ["EagleHead"]
     assert config["target_layers"] == [0, 1]  # a 2-layer target: low and high
+    assert config["draft_vocab_size"] == 256  # train_head's reduced vocabulary
     with safe_open(str(head / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
+        d2t = f.get_tensor("d2t")
     assert "fuse" in names and "in_proj" in names
+    assert d2t.dtype == torch.long and len(d2t.unique()) == 256  # the target ids it drafts
     assert not any("embed" in n and "norm" not in n for n in names), "the embedding is reused"
     assert "lm_head" not in names
     card = (head / "README.md").read_text()
     assert "stoker train-draft --method eagle" in card
+    assert re.search(r"draft vocabulary \| 256 tokens, .* \(\d+\.\d% of held-out", card)
     assert re.search(r"mean accepted drafts per verify: \*\*\d+\.\d\d\*\*", card)
 
 

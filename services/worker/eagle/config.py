@@ -1,6 +1,7 @@
 """An EAGLE head's folder: config.json (architectures ["EagleHead"], the target layers it reads,
-Llama-style shapes of its own decoder layers) and model.safetensors (the head's own weights; the
-embedding and LM head are the target's, never stored here)."""
+Llama-style shapes of its own decoder layers, and `draft_vocab_size` when it drafts from a
+reduced vocabulary) and model.safetensors (the head's own weights, and then `d2t`: the target
+ids of its draft vocabulary; the embedding and LM head are the target's, never stored here)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ class EagleConfig:
     def num_layers(self) -> int:
         return self.layer_cfg.num_layers
 
+    @property
+    def draft_vocab_size(self) -> int:
+        """0: the head drafts over the target's whole vocabulary. Otherwise over this many of
+        its tokens (EAGLE-3's reduced vocabulary: the LM head's rows for the tokens the target
+        emits most), which cuts the biggest cost of a draft step, the LM head."""
+        return int(self.raw.get("draft_vocab_size") or 0)
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> EagleConfig:
         layers = tuple(int(i) for i in raw.get("target_layers") or ())
@@ -77,6 +85,11 @@ class EagleConfig:
                 f"EAGLE head {folder} has hidden size {self.hidden_size}, the target "
                 f"{target.hidden_size}: a head is trained for one target"
             )
+        if not 0 <= self.draft_vocab_size <= target.vocab_size:
+            raise ModelLoadError(
+                f"EAGLE head {folder} has a draft vocabulary of {self.draft_vocab_size}, more "
+                f"than the target's {target.vocab_size} tokens"
+            )
         bad = [i for i in self.target_layers if not 0 <= i < target.num_layers]
         if bad:
             raise ModelLoadError(
@@ -85,10 +98,13 @@ class EagleConfig:
 
 
 def head_config_dict(
-    target: dict[str, Any], target_layers: tuple[int, ...], num_layers: int = 1
+    target: dict[str, Any],
+    target_layers: tuple[int, ...],
+    num_layers: int = 1,
+    draft_vocab_size: int = 0,
 ) -> dict[str, Any]:
     """A head's config.json from its target's: the target's attention shapes and rope, so the
-    head's KV lines up with the target's positions."""
+    head's KV lines up with the target's positions. draft_vocab_size 0: the whole vocabulary."""
     keys = (
         "vocab_size",
         "hidden_size",
@@ -113,4 +129,5 @@ def head_config_dict(
         "tie_word_embeddings": True,
         "torch_dtype": "float32",
         **raw,
+        **({"draft_vocab_size": draft_vocab_size} if draft_vocab_size else {}),
     }

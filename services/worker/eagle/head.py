@@ -25,6 +25,8 @@ from services.worker.models.llama import DecoderLayer
 
 
 class EagleHead(nn.Module):
+    d2t: torch.Tensor | None
+
     def __init__(self, cfg: EagleConfig) -> None:
         super().__init__()
         h = cfg.hidden_size
@@ -36,6 +38,10 @@ class EagleHead(nn.Module):
         self.in_proj = param(h, 2 * h)
         self.layers = nn.ModuleList(DecoderLayer(cfg.layer_cfg, i) for i in range(cfg.num_layers))
         self.norm = param(h)
+        if cfg.draft_vocab_size:  # draft index -> target token id
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        else:
+            self.d2t = None
         self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def init_rope(self, max_positions: int, device: torch.device | str) -> None:
@@ -93,6 +99,16 @@ def load_head(
     if set(state) != expected:
         missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
         raise ModelLoadError(f"EAGLE head {folder}: missing {missing[:5]}, unexpected {extra[:5]}")
-    head.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, assign=True)
+    if "d2t" in state:
+        d2t = state["d2t"]
+        vocab = cfg.layer_cfg.vocab_size
+        if d2t.dtype != torch.long or len(d2t) != cfg.draft_vocab_size:
+            raise ModelLoadError(f"EAGLE head {folder}: d2t must be {cfg.draft_vocab_size} ids")
+        if len(d2t.unique()) != len(d2t) or int(d2t.min()) < 0 or int(d2t.max()) >= vocab:
+            raise ModelLoadError(f"EAGLE head {folder}: d2t must be distinct ids below {vocab}")
+    head.load_state_dict(
+        {k: v.to(device, dtype if v.is_floating_point() else v.dtype) for k, v in state.items()},
+        assign=True,
+    )
     head.init_rope(max_positions, device)
     return head.eval()

@@ -22,7 +22,7 @@ from services.worker.drafter import _DRAFT_SALT, _proposal_params, choose_drafts
 from services.worker.eagle.config import EagleConfig
 from services.worker.eagle.head import load_head
 from services.worker.kv_sizing import kv_block_bytes
-from services.worker.models.layers import CausalLM
+from services.worker.models.layers import CausalLM, linear, pack_weight
 from services.worker.sampler import _MASK63, _SEED_MIX
 from services.worker.step_inputs import Chunk, build_step_inputs, max_decode_chunk
 
@@ -54,6 +54,24 @@ class EagleProposer:
         self.feats: dict[str, tuple[int, torch.Tensor]] = {}  # (first position, [m, hidden])
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed((seed * _SEED_MIX + _DRAFT_SALT) & _MASK63)
+        self.draft_lm_head = _draft_lm_head(target, self.head.d2t)
+
+    def draft_logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """Float logits over the target's vocabulary for the head's output rows. A reduced
+        draft vocabulary computes only its own rows and leaves the rest at -inf, so sampling
+        (filters, logit bias, seeded noise by token id) runs unchanged over target ids, and q
+        is zero where the head cannot propose: rejection sampling stays exact."""
+        normed = self.head.final_norm(streams)
+        if self.draft_lm_head is None:
+            return self.target.compute_logits(normed).float()
+        assert self.head.d2t is not None
+        logits = linear(normed, self.draft_lm_head).float()
+        cap = self.target.cfg.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        full = logits.new_full((len(logits), self.target.cfg.vocab_size), float("-inf"))
+        full[:, self.head.d2t] = logits
+        return full
 
     # -- the same surface as Drafter -----------------------------------------------------------
 
@@ -144,7 +162,7 @@ class EagleProposer:
             stream = self.head(embeds, features, inputs.positions, self.kv_caches, inputs.meta)
             streams = stream[inputs.sample_rows]
             row_of = {i: row for row, i in enumerate(active)}
-            logits = self.target.compute_logits(self.head.final_norm(streams)).float()
+            logits = self.draft_logits(streams)
             rows = [(params[i], items[i][3].seed, items[i][5] + step) for i in active]
             chosen, probs = choose_drafts(logits, rows, self.generator)
             for row, i in enumerate(active):
@@ -162,6 +180,16 @@ class EagleProposer:
         old = self.feats.get(req_id)
         if old is not None and old[0] < keep_from:
             self.feats[req_id] = (keep_from, old[1][keep_from - old[0] :])
+
+
+def _draft_lm_head(target: CausalLM, d2t: torch.Tensor | None) -> torch.Tensor | None:
+    """The target's LM head rows for a reduced draft vocabulary (None: the whole head), laid
+    out for oneDNN when the target's is."""
+    if d2t is None:
+        return None
+    weight = target.embed_tokens if target.lm_head is None else target.lm_head
+    rows = weight.detach()[d2t].contiguous()
+    return pack_weight(rows) if target.packed_lm_head is not None else rows
 
 
 def chunk_rows(chunks: list[Chunk], decode_chunk: int) -> list[tuple[int, int]]:
