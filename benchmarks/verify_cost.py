@@ -7,7 +7,8 @@ nearly its acceptance length. Where they are bound by arithmetic, the cost grows
 This times the model's linear layers (oneDNN-packed float32, as the worker runs them) at 1 to 8
 rows for a model's shapes, with random weights (the time depends on the shapes only), and reports
 the cost relative to one row, the achieved GFLOP/s and GB/s of weights read, and what one draft
-step of an EAGLE head costs when it runs the full-vocabulary LM head.
+step of an EAGLE head costs with the full-vocabulary LM head and with a reduced draft vocabulary
+(--draft-vocab, `stoker train-draft`'s default 8192).
 
 Then the whole worker step, on the real weights: one request decoding (1 row) against the same
 request verifying 4 n-gram drafts (5 rows; a repeating prompt keeps the n-gram proposing 4,
@@ -105,6 +106,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8])
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--engine-steps", type=int, default=120, help="0: GEMMs only")
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="a reduced EAGLE vocabulary")
     args = ap.parse_args()
     cfg = ModelConfig.from_folder(resolve_model(args.model))
     torch.manual_seed(0)
@@ -141,8 +143,13 @@ def main() -> None:
     one = rows_out[0]["total_ms"]
     for r in rows_out:
         r["vs_one_row"] = round(r["total_ms"] / one, 2)
-    # One EAGLE draft step: one decoder layer and the full LM head, at one row.
-    draft_ms = rows_out[0]["layers_ms"] / cfg.num_layers + rows_out[0]["lm_head_ms"]
+    # One EAGLE draft step: one decoder layer and the full LM head, at one row; then with the
+    # LM head cut to the draft vocabulary's rows.
+    layer_ms = rows_out[0]["layers_ms"] / cfg.num_layers
+    draft_ms = layer_ms + rows_out[0]["lm_head_ms"]
+    small_head = pack_weight(torch.randn(min(args.draft_vocab, cfg.vocab_size), cfg.hidden_size))
+    x1 = torch.randn(1, cfg.hidden_size)
+    reduced_ms = layer_ms + _time(lambda: linear(x1, small_head), args.repeat) * 1e3
     result = {
         "model": args.model,
         "threads": torch.get_num_threads(),
@@ -150,6 +157,9 @@ def main() -> None:
         "rows": rows_out,
         "eagle_draft_step_ms": round(draft_ms, 2),
         "eagle_draft_step_vs_decode": round(draft_ms / one, 3),
+        "draft_vocab": args.draft_vocab,
+        "eagle_reduced_draft_step_ms": round(reduced_ms, 2),
+        "eagle_reduced_draft_step_vs_decode": round(reduced_ms / one, 3),
     }
     print(f"{args.model}: {result['weights_mb']} MB of linear weights, {result['threads']} threads")
     print("rows  layers ms  lm_head ms  total ms  x one row  GFLOP/s  weight GB/s")
@@ -161,6 +171,10 @@ def main() -> None:
     print(
         f"one EAGLE draft step (1 layer + full LM head, 1 row): {draft_ms:.2f} ms = "
         f"{result['eagle_draft_step_vs_decode']:.2f} of a decode step's GEMMs"
+    )
+    print(
+        f"with a {args.draft_vocab}-token draft vocabulary: {reduced_ms:.2f} ms = "
+        f"{result['eagle_reduced_draft_step_vs_decode']:.2f}"
     )
     if args.engine_steps:
         del layers, head  # free the random weights before loading the real ones
