@@ -93,6 +93,13 @@ def main() -> None:
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="target (name or folder)")
     ap.add_argument("--eagle", help="an EAGLE head folder for --model: adds the eagle arm")
     ap.add_argument("--no-draft", action="store_true", help="skip the bundled draft's arm")
+    ap.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=("shakespeare", "chat", "copy-heavy"),
+        default=("shakespeare", "chat", "copy-heavy"),
+    )
+    ap.add_argument("--no-sweep", action="store_true", help="skip the by-batch-size sweep")
     a = ap.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     modes = {m: o for m, o in MODES.items() if not (a.no_draft and m == "draft")}
@@ -117,6 +124,8 @@ def main() -> None:
     if chat is not None:
         workloads.insert(1, ("chat", chat))
     for workload, prompts in workloads:
+        if workload not in a.workloads:
+            continue
         for batch in (1, 8):
             base_tps, base_ids = None, None
             for mode, llm in engines.items():
@@ -141,7 +150,7 @@ def main() -> None:
     # Where does speculation stop paying? Draft mode with adaptivity off, by batch size.
     swept = "eagle" if "eagle" in engines else "draft" if "draft" in engines else None
     sweep = {}
-    for batch in (1, 2, 4, 8, 16) if swept else ():
+    for batch in (1, 2, 4, 8, 16) if swept and not a.no_sweep else ():
         prompts = (PROMPTS * 4)[: max(batch, 8)]
         base, _ = run(engines["none"], prompts, batch, params)
         spec, _ = run(engines[swept], prompts, batch, params)
