@@ -76,7 +76,7 @@ class Fleet:
         return total
 
 
-def _ok(url: str) -> bool:
+def answers_200(url: str) -> bool:
     try:
         return httpx.get(url, timeout=1).status_code == 200
     except httpx.HTTPError:
@@ -118,7 +118,7 @@ def workers(fleet: Fleet) -> list[dict]:
 
 
 def workers_healthy(fleet: Fleet) -> int:
-    if not _ok(fleet.url + "/readiness"):
+    if not answers_200(fleet.url + "/readiness"):
         return 0
     return sum(1 for w in workers(fleet) if w["is_healthy"] and w["status"] == "ready")
 

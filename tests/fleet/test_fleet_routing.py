@@ -20,6 +20,7 @@ from services.fleet.workload import PrefixCounters, shared_prefix_prompts
 from tests.fleet.fleet_procs import (
     MODEL,
     Fleet,
+    answers_200,
     free_port_run,
     process_tree,
     start_fleet,
@@ -131,6 +132,10 @@ def test_killed_replica_is_routed_around_and_rejoins_when_restarted(fleet):
 
     # The fleet starts the replica again in its slot; smg's health checks take it back.
     wait_until(lambda: fleet.replica_pid(victim) != old_pid, 30, "the restart", fleet.proc)
+    # The replica's own /health first: smg may not have probed the dead one yet, and then it
+    # still counts it healthy while the new process is starting.
+    up = fleet.replica_url(victim) + "/health"
+    wait_until(lambda: answers_200(up), 180, "the restarted replica's /health", fleet.proc)
     wait_until(lambda: workers_healthy(fleet) == 2, 180, "the replica rejoining", fleet.proc)
     before = fleet.counters(victim)
     results = asyncio.run(_send(fleet.url, shared_prefix_prompts(16, 2, seed=404)))
