@@ -65,10 +65,7 @@ class EagleProposer:
         if self.draft_lm_head is None:
             return self.target.compute_logits(normed).float()
         assert self.head.d2t is not None
-        logits = linear(normed, self.draft_lm_head).float()
-        cap = self.target.cfg.final_softcap
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+        logits = self.target.soft_cap(linear(normed, self.draft_lm_head)).float()
         full = logits.new_full((len(logits), self.target.cfg.vocab_size), float("-inf"))
         full[:, self.head.d2t] = logits
         return full
@@ -187,8 +184,7 @@ def _draft_lm_head(target: CausalLM, d2t: torch.Tensor | None) -> torch.Tensor |
     out for oneDNN when the target's is."""
     if d2t is None:
         return None
-    weight = target.embed_tokens if target.lm_head is None else target.lm_head
-    rows = weight.detach()[d2t].contiguous()
+    rows = target.lm_head_weight().detach()[d2t].contiguous()
     return pack_weight(rows) if target.packed_lm_head is not None else rows
 
 

@@ -69,8 +69,7 @@ def pack_linear_weights(model: nn.Module) -> None:
             weight = getattr(module, name)
             del module._parameters[name]
             setattr(module, name, pack_weight(weight))
-    head = model.embed_tokens if model.lm_head is None else model.lm_head
-    model.packed_lm_head = pack_weight(head)
+    model.packed_lm_head = pack_weight(model.lm_head_weight())
 
 
 def input_norm(
@@ -267,11 +266,18 @@ class CausalLM(nn.Module):
             hidden = hidden * self._embed_scale
         return hidden
 
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output projection as loaded, [vocab, hidden] (tied models: the embedding)."""
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma's tanh soft-capping of the logits; the identity for other models."""
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_lm_head is not None:
             logits = linear(hidden, self.packed_lm_head)
         else:
-            weight = self.embed_tokens if self.lm_head is None else self.lm_head
-            logits = F.linear(hidden, weight)
-        cap = self.cfg.final_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+            logits = F.linear(hidden, self.lm_head_weight())
+        return self.soft_cap(logits)

@@ -72,10 +72,8 @@ class ParallelCausalLM(CausalLM):
         if self.packed_lm_head is not None:
             local = linear(hidden, self.packed_lm_head)
         else:
-            local = F.linear(hidden, self.embed_tokens if self.lm_head is None else self.lm_head)
-        logits = self.comm.all_gather_last(local)[:, : self.cfg.vocab_size]
-        cap = self.cfg.final_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+            local = F.linear(hidden, self.lm_head_weight())
+        return self.soft_cap(self.comm.all_gather_last(local)[:, : self.cfg.vocab_size])
 
 
 _SWAPS = {Attention: ParallelAttention, GatedMLP: ParallelGatedMLP, SparseMoE: ParallelSparseMoE}
