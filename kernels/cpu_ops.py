@@ -74,11 +74,14 @@ def load() -> ModuleType | None:
     return _module or None
 
 
+DECODE_DTYPES = (torch.float32, torch.bfloat16)  # of the KV cache; the arithmetic is float32
+
+
 def supports(
     dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> bool:
-    """Whether the native decode attention takes this model's attention shape."""
-    if device.type != "cpu" or dtype != torch.float32 or num_heads % num_kv_heads:
+    """Whether the native decode attention takes this model's attention shape and dtype."""
+    if device.type != "cpu" or dtype not in DECODE_DTYPES or num_heads % num_kv_heads:
         return False
     module = load()
     return module is not None and module.supports(head_dim, num_heads // num_kv_heads)
@@ -94,18 +97,25 @@ def paged_decode_attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor | None:
-    """Native decode attention when it applies (CPU, float32); None means use the reference.
+    """Native decode attention when it applies (CPU, float32 or bfloat16, query and cache alike);
+    None means use the reference.
     window / softcap: None (or 0) is off."""
     heads, kv_heads, head_dim = query.shape[1], key_cache.shape[2], query.shape[2]
-    if not supports(query.dtype, query.device, heads, kv_heads, head_dim):
+    if key_cache.dtype != query.dtype or not supports(
+        query.dtype, query.device, heads, kv_heads, head_dim
+    ):
         return None
     args = (query, key_cache, value_cache, block_tables, context_lens, scale)
     return load().paged_decode_attention(*args, window or 0, softcap or 0.0)  # type: ignore[union-attr]
 
 
 def _native_rows(*tensors: torch.Tensor) -> ModuleType | None:
-    """The module when every tensor is a CPU float32 one and the native build exists."""
-    if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
+    """The module when every tensor is a CPU one of one dtype, float32 or bfloat16, and the
+    native build exists."""
+    dtype = tensors[0].dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if any(t.device.type != "cpu" or t.dtype != dtype for t in tensors):
         return None
     return load()
 

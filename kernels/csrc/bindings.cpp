@@ -16,8 +16,8 @@ std::tuple<torch::Tensor, torch::Tensor> apply_rotary(torch::Tensor q, torch::Te
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports", &supports, "whether a head_dim / query-per-kv-head group has a kernel");
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (fp32)");
-  m.def("rms_norm", &rms_norm, "RMSNorm over rows (fp32)");
-  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual) (fp32)");
-  m.def("apply_rotary", &apply_rotary, "rotary embedding of q and k (fp32)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (fp32/bf16)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows (fp32/bf16)");
+  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual) (fp32/bf16)");
+  m.def("apply_rotary", &apply_rotary, "rotary embedding of q and k (fp32/bf16)");
 }

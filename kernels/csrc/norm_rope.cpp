@@ -1,12 +1,14 @@
-// RMSNorm (with the residual-add variant) and rotary embedding for the CPU, float32, one pass
-// over each row. The torch references take 6-14 tensor ops each, one full read and write of the
-// activations per op; at decode sizes their dispatch overhead, at prefill sizes their memory
-// traffic, is what costs.
+// RMSNorm (with the residual-add variant) and rotary embedding for the CPU, float32 or bfloat16,
+// one pass over each row. In bfloat16 each value is rounded where the torch reference's ops
+// round it (every elementwise op's output), with float32 arithmetic in between. The torch
+// references take 6-14 tensor ops each, one full read and write of the activations per op; at
+// decode sizes their dispatch overhead, at prefill sizes their memory traffic, is what costs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 
 // Rotary must round exactly as the torch reference (x * cos + rotate_half(x) * sin, each product
@@ -21,21 +23,95 @@
 
 namespace {
 
+// bfloat16 values are handled as their bits, with conversions written as integer ops so the row
+// loops vectorise (at::BFloat16's own conversion has a NaN branch that stops them): widening is
+// a shift, narrowing rounds to nearest even.
+using bf16 = uint16_t;
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+template <typename T>
+inline T from_f(float x);
+template <>
+inline float from_f<float>(float x) {
+  return x;
+}
+template <>
+inline bf16 from_f<bf16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<bf16>(u >> 16);
+}
+
+// What the reference's ops produce: a float32 result as is, a bfloat16 one rounded to nearest.
+template <typename T>
+inline float rnd(float x) {
+  return to_f(from_f<T>(x));
+}
+
+template <typename T>
+T* ptr(const torch::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
 void check_rows(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32,
-              "float32 only");
+  TORCH_CHECK((x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) &&
+                  w.scalar_type() == x.scalar_type(),
+              "float32 or bfloat16 rows and weight of one dtype");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rows must be contiguous");
   TORCH_CHECK(w.is_contiguous() && w.numel() == x.size(1), "weight must match the row width");
 }
 
 // out = w * (s * rsqrt(mean(s^2) + eps)) for one row s, as HF's LlamaRMSNorm computes it.
-inline void norm_row(const float* s, const float* w, float* out, int64_t H, float eps) {
+// In bfloat16: the normed row is rounded before the weight multiplies it (HF casts it back to the
+// input dtype first), and the product is rounded again.
+template <typename T>
+inline void norm_row(const T* s, const T* w, T* out, int64_t H, float eps) {
   float sumsq = 0.f;
 #pragma omp simd reduction(+ : sumsq)
-  for (int64_t i = 0; i < H; ++i) sumsq += s[i] * s[i];
+  for (int64_t i = 0; i < H; ++i) sumsq += to_f(s[i]) * to_f(s[i]);
   const float inv = 1.f / std::sqrt(sumsq / static_cast<float>(H) + eps);
 #pragma omp simd
-  for (int64_t i = 0; i < H; ++i) out[i] = w[i] * (s[i] * inv);
+  for (int64_t i = 0; i < H; ++i) out[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(s[i]) * inv));
+}
+
+template <typename T>
+void norm_rows(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, double eps) {
+  const int64_t H = x.size(1), xs = x.stride(0);
+  const T* xp = ptr<T>(x);
+  const T* wp = ptr<T>(w);
+  T* op = ptr<T>(out);
+  at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) norm_row(xp + r * xs, wp, op + r * H, H, eps);
+  });
+}
+
+template <typename T>
+void add_norm_rows(const torch::Tensor& x, const torch::Tensor& residual, const torch::Tensor& w,
+                   torch::Tensor& out, torch::Tensor& summed, double eps) {
+  const int64_t H = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  const T* xp = ptr<T>(x);
+  const T* rp = ptr<T>(residual);
+  const T* wp = ptr<T>(w);
+  T* op = ptr<T>(out);
+  T* sp = ptr<T>(summed);
+  at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* s = sp + r * H;
+      const T* a = xp + r * xs;
+      const T* b = rp + r * rs;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) s[i] = from_f<T>(to_f(a[i]) + to_f(b[i]));
+      norm_row(s, wp, op + r * H, H, eps);
+    }
+  });
 }
 
 }  // namespace
@@ -43,13 +119,10 @@ inline void norm_row(const float* s, const float* w, float* out, int64_t H, floa
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   check_rows(x, w);
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
-  const int64_t H = x.size(1), xs = x.stride(0);
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) norm_row(xp + r * xs, wp, op + r * H, H, eps);
-  });
+  if (x.scalar_type() == torch::kFloat32)
+    norm_rows<float>(x, w, out, eps);
+  else
+    norm_rows<bf16>(x, w, out, eps);
   return out;
 }
 
@@ -60,46 +133,56 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
   TORCH_CHECK(residual.size(0) == x.size(0), "x and residual must have the same rows");
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   auto summed = torch::empty_like(out);
-  const int64_t H = x.size(1), xs = x.stride(0), rs = residual.stride(0);
-  const float* xp = x.data_ptr<float>();
-  const float* rp = residual.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  float* sp = summed.data_ptr<float>();
-  at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* s = sp + r * H;
-      const float* a = xp + r * xs;
-      const float* b = rp + r * rs;
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) s[i] = a[i] + b[i];
-      norm_row(s, wp, op + r * H, H, eps);
-    }
-  });
+  if (x.scalar_type() == torch::kFloat32)
+    add_norm_rows<float>(x, residual, w, out, summed, eps);
+  else
+    add_norm_rows<bf16>(x, residual, w, out, summed, eps);
   return {out, summed};
 }
 
 namespace {
 
-NO_FMA_ATTR void rotate_heads(const float* x, float* out, int64_t heads, int64_t head_stride,
-                              const float* c, const float* s, int64_t half) {
+template <typename T>
+NO_FMA_ATTR void rotate_heads(const T* x, T* out, int64_t heads, int64_t head_stride, const T* c,
+                              const T* s, int64_t half) {
   NO_FMA_BEGIN
   for (int64_t h = 0; h < heads; ++h) {
-    const float* lo = x + h * head_stride;
-    const float* hi = lo + half;
-    float* out_lo = out + h * 2 * half;
-    float* out_hi = out_lo + half;
+    const T* lo = x + h * head_stride;
+    const T* hi = lo + half;
+    T* out_lo = out + h * 2 * half;
+    T* out_hi = out_lo + half;
 #pragma omp simd
     for (int64_t i = 0; i < half; ++i) {
-      out_lo[i] = lo[i] * c[i] + (-hi[i]) * s[i];
-      out_hi[i] = hi[i] * c[i + half] + lo[i] * s[i + half];
+      const float l = to_f(lo[i]), u = to_f(hi[i]);
+      out_lo[i] = from_f<T>(rnd<T>(l * to_f(c[i])) + rnd<T>((-u) * to_f(s[i])));
+      out_hi[i] = from_f<T>(rnd<T>(u * to_f(c[i + half])) + rnd<T>(l * to_f(s[i + half])));
     }
   }
 }
 
-void check_heads(const torch::Tensor& t) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 3 && t.stride(2) == 1,
-              "[tokens, heads, head_dim] float32 with contiguous head_dim");
+template <typename T>
+void rotate(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& cos,
+            const torch::Tensor& sin, torch::Tensor& q_out, torch::Tensor& k_out) {
+  const int64_t T_ = q.size(0), D = q.size(2), half = D / 2, hq = q.size(1), hk = k.size(1);
+  const T* qp = ptr<T>(q);
+  const T* kp = ptr<T>(k);
+  T* qo = ptr<T>(q_out);
+  T* ko = ptr<T>(k_out);
+  const T* cp = ptr<T>(cos);
+  const T* sp = ptr<T>(sin);
+  at::parallel_for(0, T_, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      rotate_heads(qp + t * q.stride(0), qo + t * hq * D, hq, q.stride(1), cp + t * D, sp + t * D,
+                   half);
+      rotate_heads(kp + t * k.stride(0), ko + t * hk * D, hk, k.stride(1), cp + t * D, sp + t * D,
+                   half);
+    }
+  });
+}
+
+void check_heads(const torch::Tensor& t, const torch::Tensor& like) {
+  TORCH_CHECK(t.scalar_type() == like.scalar_type() && t.dim() == 3 && t.stride(2) == 1,
+              "[tokens, heads, head_dim] of one dtype with contiguous head_dim");
 }
 
 }  // namespace
@@ -108,8 +191,12 @@ void check_heads(const torch::Tensor& t) {
 // layout (each half repeated). Returns new contiguous (q, k).
 std::tuple<torch::Tensor, torch::Tensor> apply_rotary(torch::Tensor q, torch::Tensor k,
                                                       torch::Tensor cos, torch::Tensor sin) {
-  check_heads(q);
-  check_heads(k);
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 || q.scalar_type() == torch::kBFloat16,
+              "float32 or bfloat16 only");
+  check_heads(q, q);
+  check_heads(k, q);
+  TORCH_CHECK(cos.scalar_type() == q.scalar_type() && sin.scalar_type() == q.scalar_type(),
+              "cos/sin in q's dtype");
   cos = cos.contiguous();
   sin = sin.contiguous();
   const int64_t T = q.size(0), D = q.size(2), half = D / 2;
@@ -117,20 +204,9 @@ std::tuple<torch::Tensor, torch::Tensor> apply_rotary(torch::Tensor q, torch::Te
               "cos/sin must be [tokens, head_dim]");
   auto q_out = torch::empty({T, q.size(1), D}, q.options());
   auto k_out = torch::empty({T, k.size(1), D}, k.options());
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  float* qo = q_out.data_ptr<float>();
-  float* ko = k_out.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  const int64_t hq = q.size(1), hk = k.size(1);
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      rotate_heads(qp + t * q.stride(0), qo + t * hq * D, hq, q.stride(1), cp + t * D, sp + t * D,
-                   half);
-      rotate_heads(kp + t * k.stride(0), ko + t * hk * D, hk, k.stride(1), cp + t * D, sp + t * D,
-                   half);
-    }
-  });
+  if (q.scalar_type() == torch::kFloat32)
+    rotate<float>(q, k, cos, sin, q_out, k_out);
+  else
+    rotate<bf16>(q, k, cos, sin, q_out, k_out);
   return {q_out, k_out};
 }

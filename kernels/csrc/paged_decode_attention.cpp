@@ -1,5 +1,5 @@
-// Paged decode attention for the CPU, float32: one query token per request, keys and values read
-// in place through the block table. The torch reference gathers every request's context into a
+// Paged decode attention for the CPU: one query token per request, keys and values (float32 or
+// bfloat16) read in place through the block table; the arithmetic is float32 either way. The torch reference gathers every request's context into a
 // padded copy first (one extra write and read of the whole KV context per layer per step); at
 // batch 64 that copy costs more than the attention itself, so this kernel exists.
 //
@@ -28,6 +28,17 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 inline v16 load(const float* p) {
   v16 v;
   std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+// bfloat16 is the top half of a float32: widen 16 of them with a shift (vpmovzxwd + vpslld).
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+inline v16 load(const at::BFloat16* p) {
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  v16 v;
+  std::memcpy(&v, &w, sizeof(v));
   return v;
 }
 inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
@@ -97,8 +108,8 @@ inline float hsum(v16 v) {
 // One (request, kv head), 16 context tokens at a time with an online softmax: the G query heads
 // of the group share every K/V row read, scores and accumulators stay in registers, and each
 // chunk's K and V rows are read back to back.
-template <int D, int G>
-void attend(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t L,
+template <typename KV, int D, int G>
+void attend(const float* q, const KV* kc, const KV* vc, const int64_t* table, int64_t L,
             int64_t BS, int64_t row, int64_t nh, float sc, int64_t window, float cap,
             float* out) {
   // nh kv heads of one request: q/out hold nh * G query heads; kc/vc point at the first head.
@@ -126,7 +137,7 @@ void attend(const float* q, const float* kc, const float* vc, const int64_t* tab
       const int nn = static_cast<int>(std::min<int64_t>(16, L - t0 - n));
       for (int i = 0; i < nn; ++i) {
         const int64_t slot = (table[nb] * BS + no) * row;
-        for (int64_t c = 0; c < nh * D; c += 16) {
+        for (int64_t c = 0; c < nh * D; c += 64 / sizeof(KV)) {  // one cache line
           __builtin_prefetch(kc + slot + c);
           __builtin_prefetch(vc + slot + c);
         }
@@ -135,8 +146,8 @@ void attend(const float* q, const float* kc, const float* vc, const int64_t* tab
     }
     for (int64_t h = 0; h < nh; ++h) {
       const float* qh = q + h * G * D;
-      const float* kh = kc + h * D;
-      const float* vh = vc + h * D;
+      const KV* kh = kc + h * D;
+      const KV* vh = vc + h * D;
       float p[G][16];
       for (int g = 0; g < G; ++g) {
         v16 qs[C];
@@ -145,7 +156,7 @@ void attend(const float* q, const float* kc, const float* vc, const int64_t* tab
         for (int i = 0; i < 16; ++i) {
           v16 a = {};
           if (i < n) {
-            const float* k = kh + slots[i];
+            const KV* k = kh + slots[i];
             for (int c = 0; c < C; ++c) a += qs[c] * load(k + 16 * c);
           }
           part[kBitrev4[i]] = a;
@@ -167,7 +178,7 @@ void attend(const float* q, const float* kc, const float* vc, const int64_t* tab
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < C; ++c) a[g][c] = acc[h][g][c];
       for (int i = 0; i < n; ++i) {
-        const float* v = vh + slots[i];
+        const KV* v = vh + slots[i];
         v16 vv[C];
         for (int c = 0; c < C; ++c) vv[c] = load(v + 16 * c);
         for (int g = 0; g < G; ++g)
@@ -183,45 +194,71 @@ void attend(const float* q, const float* kc, const float* vc, const int64_t* tab
         store(out + (h * G + g) * D + 16 * c, acc[h][g][c] * (1.f / l[h][g]));
 }
 
-using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, int64_t,
-                          int64_t, int64_t, int64_t, float, int64_t, float, float*);
+template <typename KV>
+using AttendFn = void (*)(const float*, const KV*, const KV*, const int64_t*, int64_t, int64_t,
+                          int64_t, int64_t, float, int64_t, float, float*);
 
-template <int D>
-AttendFn pick_g(int64_t G) {
+template <typename KV, int D>
+AttendFn<KV> pick_g(int64_t G) {
   switch (G) {
-    case 1: return attend<D, 1>;
-    case 2: return attend<D, 2>;
-    case 3: return attend<D, 3>;
-    case 4: return attend<D, 4>;
-    case 5: return attend<D, 5>;
-    case 6: return attend<D, 6>;
-    case 7: return attend<D, 7>;
-    case 8: return attend<D, 8>;
+    case 1: return attend<KV, D, 1>;
+    case 2: return attend<KV, D, 2>;
+    case 3: return attend<KV, D, 3>;
+    case 4: return attend<KV, D, 4>;
+    case 5: return attend<KV, D, 5>;
+    case 6: return attend<KV, D, 6>;
+    case 7: return attend<KV, D, 7>;
+    case 8: return attend<KV, D, 8>;
     default: return nullptr;
   }
 }
 
-AttendFn pick(int64_t D, int64_t G) {
+template <typename KV>
+AttendFn<KV> pick(int64_t D, int64_t G) {
   switch (D) {
-    case 16: return pick_g<16>(G);
-    case 32: return pick_g<32>(G);
-    case 64: return pick_g<64>(G);
-    case 128: return pick_g<128>(G);
-    case 256: return pick_g<256>(G);
+    case 16: return pick_g<KV, 16>(G);
+    case 32: return pick_g<KV, 32>(G);
+    case 64: return pick_g<KV, 64>(G);
+    case 128: return pick_g<KV, 128>(G);
+    case 256: return pick_g<KV, 256>(G);
     default: return nullptr;
   }
+}
+
+template <typename KV>
+void run(AttendFn<KV> fn, const float* q, const KV* kc, const KV* vc, const int64_t* bt,
+         const int64_t* lens, int64_t B, int64_t Hq, int64_t Hk, int64_t G, int64_t D,
+         int64_t MB, int64_t BS, float sc, int64_t window, float cap, float* o) {
+  // Tasks: (request, group of kv heads). All heads of a request in one task read each block's
+  // rows whole (contiguous); with few requests, split heads so every thread has work.
+  const int64_t threads = at::get_num_threads();
+  const int64_t nh = (B >= 4 * threads && Hk <= 16) ? Hk : 1;
+  const int64_t groups = Hk / nh;
+  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t b = idx / groups, h = (idx % groups) * nh;
+      fn(q + (b * Hq + h * G) * D, kc + h * D, vc + h * D, bt + b * MB, lens[b], BS, Hk * D, nh,
+         sc, window, cap, o + (b * Hq + h * G) * D);
+    }
+  });
 }
 
 }  // namespace
 
-bool supports(int64_t head_dim, int64_t group) { return pick(head_dim, group) != nullptr; }
+bool supports(int64_t head_dim, int64_t group) {
+  return pick<float>(head_dim, group) != nullptr;
+}
 
 torch::Tensor paged_decode_attention(
     torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
     torch::Tensor block_tables, torch::Tensor context_lens, double scale, int64_t window,
     double softcap) {
-  TORCH_CHECK(query.scalar_type() == torch::kFloat32, "float32 only");
-  query = query.contiguous();
+  const auto dtype = key_cache.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "float32 or bfloat16 cache");
+  TORCH_CHECK(query.scalar_type() == dtype && value_cache.scalar_type() == dtype,
+              "query, key and value caches must share one dtype");
+  const auto out_dtype = query.scalar_type();
+  query = query.to(torch::kFloat32).contiguous();  // a copy of B x Hq x D values at most
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cache must be contiguous");
   block_tables = block_tables.to(torch::kInt64).contiguous();
   context_lens = context_lens.to(torch::kInt64).contiguous();
@@ -235,11 +272,8 @@ torch::Tensor paged_decode_attention(
               "key/value caches must be [num_blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(block_tables.size(0) == B && context_lens.numel() == B,
               "one block-table row and one context length per query row");
-  AttendFn fn = pick(D, G);
-  TORCH_CHECK(fn != nullptr, "unsupported head_dim ", D, " or group size ", G);
+  TORCH_CHECK(supports(D, G), "unsupported head_dim ", D, " or group size ", G);
   const float* q = query.data_ptr<float>();
-  const float* kc = key_cache.data_ptr<float>();
-  const float* vc = value_cache.data_ptr<float>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   float* o = out.data_ptr<float>();
@@ -252,17 +286,13 @@ torch::Tensor paged_decode_attention(
       TORCH_CHECK(bt[b * MB + i] >= 0 && bt[b * MB + i] < num_blocks, "block id out of range");
   }
 
-  // Tasks: (request, group of kv heads). All heads of a request in one task read each block's
-  // rows whole (contiguous); with few requests, split heads so every thread has work.
-  const int64_t threads = at::get_num_threads();
-  const int64_t nh = (B >= 4 * threads && Hk <= 16) ? Hk : 1;
-  const int64_t groups = Hk / nh;
-  at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / groups, h = (idx % groups) * nh;
-      fn(q + (b * Hq + h * G) * D, kc + h * D, vc + h * D, bt + b * MB, lens[b], BS, Hk * D, nh,
-         sc, window, cap, o + (b * Hq + h * G) * D);
-    }
-  });
-  return out;
+  if (dtype == torch::kFloat32) {
+    run<float>(pick<float>(D, G), q, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+               bt, lens, B, Hq, Hk, G, D, MB, BS, sc, window, cap, o);
+  } else {
+    run<at::BFloat16>(pick<at::BFloat16>(D, G), q, key_cache.data_ptr<at::BFloat16>(),
+                      value_cache.data_ptr<at::BFloat16>(), bt, lens, B, Hq, Hk, G, D, MB, BS,
+                      sc, window, cap, o);
+  }
+  return out_dtype == torch::kFloat32 ? out : out.to(out_dtype);
 }

@@ -112,6 +112,25 @@ def test_native_decode_matches_reference(hq, hk, d, block_size, lens):
 
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
+@pytest.mark.parametrize("hq, hk, d, block_size", [(9, 3, 64, 16), (8, 8, 32, 16), (8, 1, 256, 16)])
+def test_native_decode_reads_a_bfloat16_cache(hq, hk, d, block_size):
+    # The kernel widens bfloat16 K/V to float32 exactly and computes in float32, so it must equal
+    # float32 attention over the same bfloat16-rounded values, up to the output's one rounding.
+    lens = [1, 17, 40, 100, 257]
+    kc, vc, tables = _paged_setup(len(lens), hq, hk, d, block_size, lens, seed=5)
+    q = (torch.randn(len(lens), hq, d) * 3).bfloat16()
+    kc, vc = kc.bfloat16(), vc.bfloat16()
+    args = (tables, torch.tensor(lens), d**-0.5)
+    native = cpu_ops.paged_decode_attention(q, kc, vc, *args)
+    assert native is not None and native.dtype == torch.bfloat16
+    want = paged_decode_attention(q.float(), kc.float(), vc.float(), *args)
+    torch.testing.assert_close(native, want.bfloat16(), rtol=1e-2, atol=1e-2)
+    assert (native.float() - want).abs().max() <= want.abs().max() * 2**-8  # bf16's half ulp
+    mixed = (q, kc.float(), vc.float(), *args)
+    assert cpu_ops.paged_decode_attention(*mixed) is None  # one dtype for all, or the reference
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
 @pytest.mark.parametrize("hq, hk, d", [(12, 1, 64), (4, 4, 48)])
 def test_native_decode_declines_shapes_without_a_kernel(hq, hk, d):
     """Groups over 8 and head dims that are not a multiple of 16 fall back to the reference."""
@@ -198,6 +217,46 @@ def test_native_rotary_is_bitwise_the_reference(hq, hk, d):
     got_q, got_k = cpu_ops.apply_rotary(q, k, cos[positions], sin[positions])
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert torch.equal(qkv, before)  # inputs untouched
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
+@pytest.mark.parametrize("rows, hidden", [(1, 64), (37, 576), (130, 768)])
+def test_native_bfloat16_norms_round_as_the_reference(rows, hidden):
+    """bfloat16 rows: the same rounding points as the reference's ops; only the float32 sum of
+    squares may add up in another order, which can move a result by one bfloat16 step."""
+    from kernels.rms_norm import add_rms_norm, rms_norm
+
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).bfloat16()
+    residual = torch.randn(rows, hidden, generator=gen).bfloat16()
+    w = torch.randn(hidden, generator=gen).bfloat16()
+    got = cpu_ops.rms_norm(x, w, 1e-6)
+    want = rms_norm(x, w, 1e-6)
+    assert got.dtype == torch.bfloat16
+    assert (got != want).float().mean() < 0.01  # nearly all bitwise
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-2)
+    out, summed = cpu_ops.add_rms_norm(x, residual, w, 1e-5)
+    want_out, want_summed = add_rms_norm(x, residual, w, 1e-5)
+    assert torch.equal(summed, want_summed)  # one rounded add, as the reference
+    torch.testing.assert_close(out, want_out, rtol=2**-7, atol=1e-2)
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
+def test_native_bfloat16_rotary_is_bitwise_the_reference():
+    from kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+
+    tokens, hq, hk, d = 19, 9, 3, 64
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d).bfloat16()
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.view(tokens, hq, d), k.view(tokens, hk, d)
+    cos, sin = rope_cos_sin(rope_inv_freq(d, 10000.0, None), 64)
+    positions = torch.randint(0, 64, (tokens,))
+    cos, sin = cos[positions].bfloat16(), sin[positions].bfloat16()  # as the model casts them
+    want_q, want_k = apply_rotary(q, k, cos, sin)
+    got_q, got_k = cpu_ops.apply_rotary(q, k, cos, sin)
+    assert got_q.dtype == torch.bfloat16
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert cpu_ops.apply_rotary(q, k, cos.float(), sin.float()) is None  # mixed: the reference
 
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")

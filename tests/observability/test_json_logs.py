@@ -37,8 +37,10 @@ def test_json_lines_carry_the_request_id_and_the_traceback() -> None:
 
 
 def test_text_lines_end_with_the_request_id() -> None:
-    assert TextFormatter().format(_record("finished", request_id="r-1")).endswith(
-        "INFO stoker.test finished [request r-1]"
+    assert (
+        TextFormatter()
+        .format(_record("finished", request_id="r-1"))
+        .endswith("INFO stoker.test finished [request r-1]")
     )
     assert TextFormatter().format(_record("plain")).endswith("INFO stoker.test plain")
 

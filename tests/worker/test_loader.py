@@ -51,6 +51,22 @@ def test_half_precision_matches_transformers_at_a_tolerance(folder, dtype):
     torch.testing.assert_close(got, ref[first.top_ids], rtol=0, atol=0.1)
 
 
+def test_bfloat16_linears_are_onednn_packed_where_the_cpu_has_bf16_arithmetic(folder):
+    from services.worker.models.layers import linear
+
+    llm = LLM(folder, dtype="bfloat16", num_kv_blocks=16)
+    model = llm.engine.runner.model
+    weight = model.layers[0].mlp.gate_up_proj
+    has_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert weight.is_mkldnn == has_bf16  # without AVX512-BF16 / AMX oneDNN would emulate it
+    if not has_bf16:
+        pytest.skip("this CPU has no bfloat16 arithmetic: the packed bf16 path is not taken")
+    assert weight.dtype == torch.bfloat16
+    x = torch.randn(5, weight.shape[1]).bfloat16()
+    plain = torch.nn.functional.linear(x.float(), weight.to_dense().float())
+    torch.testing.assert_close(linear(x, weight).float(), plain, rtol=2e-2, atol=2e-2)
+
+
 def test_bf16_checkpoint_served_in_float32_on_cpu(tmp_path):
     path = make_model(tmp_path / "bf16", "llama", dtype=torch.bfloat16)
     llm = LLM(path, num_kv_blocks=16)  # dtype auto: float32 on CPU

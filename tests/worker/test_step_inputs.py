@@ -73,7 +73,8 @@ def test_short_chunks_stay_prefill_spans_where_decode_attention_would_gather(mon
     cpu = torch.device("cpu")
     native = cpu_ops.load() is not None
     assert decode_reads_cache_in_place(cpu, torch.float32, 12, 4, 64) == native
-    assert not decode_reads_cache_in_place(cpu, torch.bfloat16, 12, 4, 64)
+    assert decode_reads_cache_in_place(cpu, torch.bfloat16, 12, 4, 64) == native
+    assert not decode_reads_cache_in_place(cpu, torch.float16, 12, 4, 64)  # no float16 kernel
     assert not decode_reads_cache_in_place(cpu, torch.float32, 12, 4, 48)  # no kernel shape
     monkeypatch.setenv("STOKER_FORCE_TORCH_KERNELS", "1")
     assert not decode_reads_cache_in_place(cpu, torch.float32, 12, 4, 64)

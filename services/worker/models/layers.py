@@ -37,7 +37,8 @@ def param(*shape: int) -> nn.Parameter:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or oneDNN's for weights packed by `pack_linear_weights` (CPU, float32)."""
+    """F.linear, or oneDNN's for weights packed by `pack_linear_weights` (CPU, float32 or
+    bfloat16)."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -56,7 +57,7 @@ ONEDNN_BATCH_HINT = 64
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """One [out, in] float32 weight in oneDNN's blocked layout, for `linear`."""
+    """One [out, in] float32 or bfloat16 weight in oneDNN's blocked layout, for `linear`."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_BATCH_HINT)
 
 
