@@ -58,7 +58,7 @@ class Server:
     def __init__(self, model: str, flags: list[str], peer: bool = False) -> None:
         self.port = _free_port()
         if peer:
-            cmd = [str(PEER / "serve.sh"), model, str(self.port)]
+            cmd = [str(PEER / "serve.sh"), model, str(self.port), *flags]
         else:
             cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model]
             cmd += ["--port", str(self.port), *flags, *EXTRA_FLAGS]
@@ -120,6 +120,15 @@ def metric_sum(metrics: str, name: str) -> float:
 STREAMS = ["--random-input-len", "128", "--random-output-len", "128", "--num-prompts", "64"]
 
 
+def streams_args(a: argparse.Namespace) -> list[str]:
+    """The issue's serving workload: 128 prompt ids, 128 out, --num-prompts at --streams."""
+    return [
+        "--random-input-len", "128", "--random-output-len", "128",
+        "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.streams),
+        "--metric-percentiles", "50,99",
+    ]  # fmt: skip
+
+
 def scenario(name: str, a: argparse.Namespace) -> dict:
     model = str(resolve_model(a.model)) if a.model else str(bench_model())
     if name == "startup":
@@ -131,12 +140,16 @@ def scenario(name: str, a: argparse.Namespace) -> dict:
             s.stop()
         return {"model": startup_model, "serve_to_green_health_s": times}
     if name in ("streams", "vllm"):
-        s = Server(model, [], peer=name == "vllm")
+        dtype = ["--dtype", a.dtype] if a.dtype else []
+        s = Server(model, dtype, peer=name == "vllm")
         try:
-            r = bench(s, [*STREAMS, "--max-concurrency", "32", "--metric-percentiles", "50,99"])
+            r = bench(s, streams_args(a))
         finally:
             s.stop()
-        return {"engine": name, "model": Path(model).name, "ready_s": round(s.ready_s, 1), **r}
+        return {
+            "engine": name, "model": Path(model).name, "dtype": a.dtype or "float32",
+            "streams": a.streams, "ready_s": round(s.ready_s, 1), **r,
+        }  # fmt: skip
     if name == "null":
         s = Server(model, ["--null-model", "--max-num-seqs", "512"])
         try:
@@ -190,6 +203,9 @@ def main() -> None:
     ap.add_argument("scenario")
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--streams", type=int, default=32, help="streams / vllm: requests in flight")
+    ap.add_argument("--num-prompts", type=int, default=96, help="streams / vllm: requests")
+    ap.add_argument("--dtype", default=None, help="streams / vllm: e.g. bfloat16 (default float32)")
     ap.add_argument("--model", default=None, help="model name or folder (default: bench Llama)")
     ap.add_argument("--serve-flags", default="", help='extra serve flags, e.g. "--no-overlap"')
     a = ap.parse_args()
