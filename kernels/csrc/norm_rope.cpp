@@ -46,8 +46,9 @@ template <>
 inline bf16 from_f<bf16>(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof(u));
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<bf16>(u >> 16);
+  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;  // stays a (quiet) NaN, never rounds to inf
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<bf16>(nan ? (u >> 16) | 0x40u : rounded);
 }
 
 // What the reference's ops produce: a float32 result as is, a bfloat16 one rounded to nearest.
