@@ -117,14 +117,14 @@ def metric_sum(metrics: str, name: str) -> float:
     return float("nan")
 
 
-STREAMS = ["--random-input-len", "128", "--random-output-len", "128", "--num-prompts", "64"]
+SHAPE = ["--random-input-len", "128", "--random-output-len", "128"]
+STREAMS = [*SHAPE, "--num-prompts", "64"]
 
 
 def streams_args(a: argparse.Namespace) -> list[str]:
     """The issue's serving workload: 128 prompt ids, 128 out, --num-prompts at --streams."""
     return [
-        "--random-input-len", "128", "--random-output-len", "128",
-        "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.streams),
+        *SHAPE, "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.streams),
         "--metric-percentiles", "50,99",
     ]  # fmt: skip
 

@@ -74,14 +74,15 @@ def load() -> ModuleType | None:
     return _module or None
 
 
-DECODE_DTYPES = (torch.float32, torch.bfloat16)  # of the KV cache; the arithmetic is float32
+# What the native kernels take (attention: the KV cache's dtype); they compute in float32.
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def supports(
     dtype: torch.dtype, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int
 ) -> bool:
     """Whether the native decode attention takes this model's attention shape and dtype."""
-    if device.type != "cpu" or dtype not in DECODE_DTYPES or num_heads % num_kv_heads:
+    if device.type != "cpu" or dtype not in NATIVE_DTYPES or num_heads % num_kv_heads:
         return False
     module = load()
     return module is not None and module.supports(head_dim, num_heads // num_kv_heads)
@@ -113,7 +114,7 @@ def _native_rows(*tensors: torch.Tensor) -> ModuleType | None:
     """The module when every tensor is a CPU one of one dtype, float32 or bfloat16, and the
     native build exists."""
     dtype = tensors[0].dtype
-    if dtype not in (torch.float32, torch.bfloat16):
+    if dtype not in NATIVE_DTYPES:
         return None
     if any(t.device.type != "cpu" or t.dtype != dtype for t in tensors):
         return None

@@ -286,13 +286,14 @@ torch::Tensor paged_decode_attention(
       TORCH_CHECK(bt[b * MB + i] >= 0 && bt[b * MB + i] < num_blocks, "block id out of range");
   }
 
-  if (dtype == torch::kFloat32) {
-    run<float>(pick<float>(D, G), q, key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
-               bt, lens, B, Hq, Hk, G, D, MB, BS, sc, window, cap, o);
-  } else {
-    run<at::BFloat16>(pick<at::BFloat16>(D, G), q, key_cache.data_ptr<at::BFloat16>(),
-                      value_cache.data_ptr<at::BFloat16>(), bt, lens, B, Hq, Hk, G, D, MB, BS,
-                      sc, window, cap, o);
-  }
+  auto launch = [&](auto cache_type) {
+    using KV = decltype(cache_type);
+    run<KV>(pick<KV>(D, G), q, key_cache.data_ptr<KV>(), value_cache.data_ptr<KV>(), bt, lens, B,
+            Hq, Hk, G, D, MB, BS, sc, window, cap, o);
+  };
+  if (dtype == torch::kFloat32)
+    launch(float{});
+  else
+    launch(at::BFloat16{});
   return out_dtype == torch::kFloat32 ? out : out.to(out_dtype);
 }
