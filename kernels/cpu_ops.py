@@ -63,7 +63,12 @@ def load() -> ModuleType | None:
                     name="stoker_cpu_kernels",
                     sources=[
                         str(_SOURCES / name)
-                        for name in ("bindings.cpp", "paged_decode_attention.cpp", "norm_rope.cpp")
+                        for name in (
+                            "bindings.cpp",
+                            "paged_decode_attention.cpp",
+                            "norm_rope.cpp",
+                            "panel_linear.cpp",
+                        )
                     ],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],
@@ -108,6 +113,34 @@ def paged_decode_attention(
         return None
     args = (query, key_cache, value_cache, block_tables, context_lens, scale)
     return load().paged_decode_attention(*args, window or 0, softcap or 0.0)  # type: ignore[union-attr]
+
+
+def use_panel_linear() -> bool:
+    """Whether float32 linear weights go in `panel_linear`'s layout instead of oneDNN's.
+
+    STOKER_CPU_GEMM=panel / onednn forces the choice; by default panels on CPUs whose best ISA
+    is AVX2, where the panel kernel ran SmolLM2's linear layers 1.4-2.0x faster than oneDNN's
+    packed kernel at 1-8 rows and 1.06-1.3x at 32-512 (docs/benchmarks.md, tenth session). On
+    AVX-512 CPUs oneDNN's wider kernels are kept: the panel kernel is AVX2 code."""
+    choice = os.environ.get("STOKER_CPU_GEMM", "auto")
+    if choice == "onednn":
+        return False
+    module = load()
+    if module is None or not module.panel_linear_supported():
+        return False
+    return choice == "panel" or torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 [N, K] weight (N a multiple of 16) as [N / 16, K, 16] panels."""
+    return load().pack_panels(weight.detach().contiguous())  # type: ignore[union-attr]
+
+
+def panel_linear(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ W^T (+ bias) against `pack_panels(W)`."""
+    return load().panel_linear(x, panels, bias)  # type: ignore[union-attr]
 
 
 def _native_rows(*tensors: torch.Tensor) -> ModuleType | None:

@@ -13,6 +13,9 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
                                                       torch::Tensor w, double eps);
 std::tuple<torch::Tensor, torch::Tensor> apply_rotary(torch::Tensor q, torch::Tensor k,
                                                       torch::Tensor cos, torch::Tensor sin);
+bool panel_linear_supported();
+torch::Tensor pack_panels(torch::Tensor weight);
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports", &supports, "whether a head_dim / query-per-kv-head group has a kernel");
@@ -20,4 +23,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (fp32/bf16)");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual) (fp32/bf16)");
   m.def("apply_rotary", &apply_rotary, "rotary embedding of q and k (fp32/bf16)");
+  m.def("panel_linear_supported", &panel_linear_supported, "whether panel_linear was built (AVX2)");
+  m.def("pack_panels", &pack_panels, "a float32 [N, K] weight as [N / 16, K, 16] panels");
+  m.def("panel_linear", &panel_linear, "x @ W^T (+ bias) against panel-packed W (fp32, AVX2)");
 }

@@ -25,6 +25,7 @@ from kernels.dispatch import (  # triton on CUDA, the torch references elsewhere
     rms_norm,
     store_kv,
 )
+from kernels import cpu_ops
 from kernels.rotary import rope_cos_sin, rope_inv_freq
 from services.worker.attention_metadata import AttentionMetadata
 
@@ -37,10 +38,13 @@ def param(*shape: int) -> nn.Parameter:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or oneDNN's for weights packed by `pack_linear_weights` (CPU, float32 or
-    bfloat16)."""
+    """F.linear, or the CPU kernel for a weight `pack_weight` laid out: oneDNN's (float32 or
+    bfloat16) or the native panel kernel's (float32, a 3-D [N / 16, K, 16] tensor; every other
+    weight reaching here is 2-D)."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if weight.dim() == 3:
+        return cpu_ops.panel_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -57,14 +61,19 @@ ONEDNN_BATCH_HINT = 64
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """One [out, in] float32 or bfloat16 weight in oneDNN's blocked layout, for `linear`."""
+    """One [out, in] float32 or bfloat16 weight laid out for `linear`: in the native panel
+    kernel's layout where `cpu_ops.use_panel_linear()` (float32, out a multiple of 16), otherwise
+    in oneDNN's blocked one."""
+    if weight.dtype == torch.float32 and weight.shape[0] % 16 == 0 and cpu_ops.use_panel_linear():
+        return cpu_ops.pack_panels(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_BATCH_HINT)
 
 
 def pack_linear_weights(model: nn.Module) -> None:
-    """Re-lay the 2-D linear weights (each module's LINEAR_WEIGHTS) out for oneDNN. On CPU in
-    float32 its kernels run 2-3x faster than F.linear's (measured on this project's 2-core box:
-    359 vs 118 GFLOPS at 64 rows). The result equals F.linear's to float32 rounding."""
+    """Re-lay the 2-D linear weights (each module's LINEAR_WEIGHTS) out for `linear`'s CPU
+    kernels. On CPU in float32 oneDNN's run 2-3x faster than F.linear's (measured on this
+    project's 2-core box: 359 vs 118 GFLOPS at 64 rows), and the panel kernel faster still on
+    AVX2 boxes. The result equals F.linear's to float32 rounding."""
     for module in model.modules():
         for name in getattr(module, "LINEAR_WEIGHTS", ()):
             weight = getattr(module, name)

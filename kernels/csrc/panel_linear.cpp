@@ -1,0 +1,139 @@
+// A float32 linear layer for the few-row GEMMs of decode and verify steps on AVX2 CPUs:
+// y[M, N] = x[M, K] @ W[N, K]^T (+ bias), with W laid out once at load time in panels of 16
+// output columns, [N / 16, K, 16], so a panel is one contiguous stream.
+//
+// Why: at 1-64 rows oneDNN's packed float32 kernel reached 66 GFLOP/s at 32 rows on the 2-core
+// AVX2 box where it does 117-125 on a large GEMM (docs/benchmarks.md, sixth session). Here each
+// thread walks whole panels; a 6 x 16 register tile (12 accumulators, BLIS's Haswell shape) runs
+// down K with one broadcast per row and two panel loads per step, so a panel is read from memory
+// once per chunk of rows and the FMA units, not the loads, set the pace.
+//
+// Every output is one FMA chain over k = 0..K-1 in order, whatever M is or which tile a row lands
+// in, so a row's result does not depend on the batch it is computed in.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define STOKER_PANEL_LINEAR 1
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;     // output columns per panel: two 8-float registers
+constexpr int64_t kTileRows = 6;   // rows per register tile
+constexpr int64_t kChunkRows = 48;  // rows whose inputs stay in L2 while every panel streams by
+
+#ifdef STOKER_PANEL_LINEAR
+// One tile: rows [0, R) of x (row stride ldx) against one panel, into y (row stride ldy). The
+// accumulators are named registers, not an array: GCC kept an array's copy on the stack and
+// stored all twelve every step, which halved the speed.
+template <int R>
+inline void tile(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
+                 float* y, int64_t ldy) {
+  __m256 l0 = _mm256_setzero_ps(), h0 = l0, l1 = l0, h1 = l0, l2 = l0, h2 = l0, l3 = l0, h3 = l0,
+         l4 = l0, h4 = l0, l5 = l0, h5 = l0;
+  const float* x0 = x;
+  const float* x1 = x + ldx;
+  const float* x2 = x + 2 * ldx;
+  const float* x3 = x + 3 * ldx;
+  const float* x4 = x + 4 * ldx;
+  const float* x5 = x + 5 * ldx;
+#define STOKER_ROW(i)                                  \
+  if constexpr (R > i) {                               \
+    const __m256 a = _mm256_broadcast_ss(x##i + k);    \
+    l##i = _mm256_fmadd_ps(a, w_lo, l##i);             \
+    h##i = _mm256_fmadd_ps(a, w_hi, h##i);             \
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w_lo = _mm256_load_ps(panel + k * kPanel);
+    const __m256 w_hi = _mm256_load_ps(panel + k * kPanel + 8);
+    STOKER_ROW(0) STOKER_ROW(1) STOKER_ROW(2) STOKER_ROW(3) STOKER_ROW(4) STOKER_ROW(5)
+  }
+#undef STOKER_ROW
+  const __m256 b_lo = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 b_hi = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+#define STOKER_STORE(i)                                              \
+  if constexpr (R > i) {                                             \
+    _mm256_storeu_ps(y + i * ldy, bias ? _mm256_add_ps(l##i, b_lo) : l##i);     \
+    _mm256_storeu_ps(y + i * ldy + 8, bias ? _mm256_add_ps(h##i, b_hi) : h##i); \
+  }
+  STOKER_STORE(0) STOKER_STORE(1) STOKER_STORE(2) STOKER_STORE(3) STOKER_STORE(4) STOKER_STORE(5)
+#undef STOKER_STORE
+}
+
+inline void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t K,
+                      const float* bias, float* y, int64_t ldy) {
+  switch (rows) {
+    case 6: return tile<6>(x, ldx, panel, K, bias, y, ldy);
+    case 5: return tile<5>(x, ldx, panel, K, bias, y, ldy);
+    case 4: return tile<4>(x, ldx, panel, K, bias, y, ldy);
+    case 3: return tile<3>(x, ldx, panel, K, bias, y, ldy);
+    case 2: return tile<2>(x, ldx, panel, K, bias, y, ldy);
+    default: return tile<1>(x, ldx, panel, K, bias, y, ldy);
+  }
+}
+#endif
+
+}  // namespace
+
+bool panel_linear_supported() {
+#ifdef STOKER_PANEL_LINEAR
+  return true;
+#else
+  return false;
+#endif
+}
+
+// weight [N, K] -> panels [N / 16, K, 16] (N a multiple of 16), 32-byte aligned by torch's
+// allocator (it aligns CPU storage to 64 bytes).
+torch::Tensor pack_panels(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kFloat32, "float32 [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(N % kPanel == 0, "N must be a multiple of 16, got ", N);
+  return weight.reshape({N / kPanel, kPanel, K}).transpose(1, 2).contiguous();
+}
+
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(panel_linear_supported(), "panel_linear needs AVX2 and FMA");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(), "panels");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && panels.scalar_type() == torch::kFloat32,
+              "float32 only");
+  const int64_t K = panels.size(1), num_panels = panels.size(0), N = num_panels * kPanel;
+  TORCH_CHECK(x.size(-1) == K, "x has ", x.size(-1), " features, the weight ", K);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  torch::Tensor x2 = x.reshape({-1, K});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  const int64_t M = x2.size(0), ldx = x2.stride(0);
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  const float* b = nullptr;
+  torch::Tensor bias_c;
+  if (bias.has_value() && bias->defined()) {
+    bias_c = bias->contiguous();
+    TORCH_CHECK(bias_c.numel() == N && bias_c.scalar_type() == torch::kFloat32, "bias");
+    b = bias_c.data_ptr<float>();
+  }
+#ifdef STOKER_PANEL_LINEAR
+  const float* xp = x2.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
+    const int64_t m1 = std::min(M, m0 + kChunkRows);
+    at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const float* panel = wp + p * K * kPanel;
+        const float* bp = b ? b + p * kPanel : nullptr;
+        for (int64_t m = m0; m < m1; m += kTileRows) {
+          tile_rows(std::min(kTileRows, m1 - m), xp + m * ldx, ldx, panel, K, bp,
+                    yp + m * N + p * kPanel, N);
+        }
+      }
+    });
+  }
+#endif
+  return y.reshape(out_shape);
+}

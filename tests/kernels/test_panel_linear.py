@@ -1,0 +1,81 @@
+"""The native panel linear kernel (AVX2 float32) against float64 matmuls, its batch
+invariance, and which layout `pack_weight` picks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_ops
+from services.worker.models.layers import linear, pack_weight
+
+_module = cpu_ops.load()
+pytestmark = pytest.mark.skipif(
+    _module is None or not _module.panel_linear_supported(),
+    reason="the panel kernel needs the native build on an AVX2 + FMA CPU",
+)
+
+
+def _weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen)
+
+
+# Rows around the 6-row register tile and the 48-row chunk; K odd and even.
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 47, 48, 49, 100])
+@pytest.mark.parametrize(("n", "k"), [(16, 3), (96, 64), (48, 577)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panel_linear_matches_a_float64_matmul(rows, n, k, with_bias):
+    weight, bias = _weights(n, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    got = cpu_ops.panel_linear(x, cpu_ops.pack_panels(weight), bias if with_bias else None)
+    want = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_panel_linear_takes_strided_rows_and_leading_dims():
+    weight, _ = _weights(32, 40)
+    panels = cpu_ops.pack_panels(weight)
+    wide = torch.randn(9, 100)
+    x = wide[:, 10:50]  # rows 100 floats apart, as a view into a fused projection is
+    torch.testing.assert_close(cpu_ops.panel_linear(x, panels), x @ weight.T, rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 3, 40)
+    got = cpu_ops.panel_linear(x3, panels)
+    assert got.shape == (2, 3, 32)
+    torch.testing.assert_close(got, x3 @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch():
+    """Each output is one FMA chain over K in order, so a row computes bitwise the same alone,
+    in a partial tile, or past the 48-row chunk: decode and verify steps agree exactly."""
+    weight, bias = _weights(64, 200)
+    panels = cpu_ops.pack_panels(weight)
+    x = torch.randn(60, 200)
+    full = cpu_ops.panel_linear(x, panels, bias)
+    for row in (0, 5, 6, 47, 48, 59):
+        assert torch.equal(cpu_ops.panel_linear(x[row : row + 1], panels, bias)[0], full[row])
+    assert torch.equal(cpu_ops.panel_linear(x[3:10], panels, bias), full[3:10])
+
+
+def test_pack_panels_refuses_a_width_that_is_not_a_multiple_of_16():
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu_ops.pack_panels(torch.randn(20, 8))
+
+
+def test_pack_weight_picks_the_layout_by_setting_and_shape(monkeypatch):
+    weight, bias = _weights(48, 24)
+    x = torch.randn(5, 24)
+    want = x @ weight.T + bias
+    monkeypatch.setenv("STOKER_CPU_GEMM", "panel")
+    panels = pack_weight(weight)
+    assert panels.dim() == 3 and not panels.is_mkldnn
+    torch.testing.assert_close(linear(x, panels, bias), want, rtol=1e-5, atol=1e-5)
+    odd = pack_weight(torch.randn(20, 24))  # 20 rows: no whole panels, so oneDNN's layout
+    assert odd.is_mkldnn
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # the panel kernel is float32 only
+        assert pack_weight(weight.bfloat16()).is_mkldnn
+    monkeypatch.setenv("STOKER_CPU_GEMM", "onednn")
+    packed = pack_weight(weight)
+    assert packed.is_mkldnn
+    torch.testing.assert_close(linear(x, packed, bias), want, rtol=1e-5, atol=1e-5)
