@@ -121,15 +121,19 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   const float* xp = x2.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
-    const int64_t m1 = std::min(M, m0 + kChunkRows);
+  // Rows are split evenly into chunks and each chunk evenly into tiles (8 rows: 4 + 4, not 6 + 2),
+  // since a tile of 1-3 rows is bound by the FMA latency, not the FMA units.
+  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t m0 = M * c / chunks, m1 = M * (c + 1) / chunks;
+    const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
     at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const float* panel = wp + p * K * kPanel;
         const float* bp = b ? b + p * kPanel : nullptr;
-        for (int64_t m = m0; m < m1; m += kTileRows) {
-          tile_rows(std::min(kTileRows, m1 - m), xp + m * ldx, ldx, panel, K, bp,
-                    yp + m * N + p * kPanel, N);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t r0 = m0 + (m1 - m0) * t / tiles, r1 = m0 + (m1 - m0) * (t + 1) / tiles;
+          tile_rows(r1 - r0, xp + r0 * ldx, ldx, panel, K, bp, yp + r0 * N + p * kPanel, N);
         }
       }
     });
