@@ -1,7 +1,9 @@
 // Paged decode attention for the CPU: one query token per request, keys and values (float32 or
-// bfloat16) read in place through the block table; the arithmetic is float32 either way. The torch reference gathers every request's context into a
-// padded copy first (one extra write and read of the whole KV context per layer per step); at
-// batch 64 that copy costs more than the attention itself, so this kernel exists.
+// bfloat16) read in place through the block table; the arithmetic is float32 either way (with
+// AVX512-BF16, q.k of a bfloat16 cache is vdpbf16ps: exact products, float32 sums). The torch
+// reference gathers every request's context into a padded copy first (one extra write and read
+// of the whole KV context per layer per step); at batch 64 that copy costs more than the
+// attention itself, so this kernel exists.
 //
 // One task per request (per (request, kv head) when there are too few requests to share out).
 // The G query heads of a GQA group share every K/V row read; head_dim and G are template
@@ -19,6 +21,10 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -69,6 +75,12 @@ inline v16 reduce16(const v16* a) {
                                  15, 31);
 }
 
+#if defined(__AVX512BF16__)
+constexpr bool kHaveBf16Dot = true;
+#else
+constexpr bool kHaveBf16Dot = false;
+#endif
+
 constexpr int kBitrev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
 
@@ -93,27 +105,39 @@ inline v16 vexp(v16 x) {
   return p * scale;
 }
 
+// Horizontal max / sum in four halving steps (the scalar loops compiled to 15 dependent
+// extract-and-op pairs, a fifth of the kernel's time at 200 tokens of context).
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
 inline float hmax(v16 v) {
-  float m = v[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
-  return m;
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  v8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  a = a > b ? a : b;
+  v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  c = c > d ? c : d;
+  const float x = std::max(c[0], c[2]), y = std::max(c[1], c[3]);
+  return std::max(x, y);
 }
 
 inline float hsum(v16 v) {
-  float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
 // One (request, kv head), 16 context tokens at a time with an online softmax: the G query heads
 // of the group share every K/V row read, scores and accumulators stay in registers, and each
 // chunk's K and V rows are read back to back.
 template <typename KV, int D, int G>
-void attend(const float* q, const KV* kc, const KV* vc, const int64_t* table, int64_t L,
-            int64_t BS, int64_t row, int64_t nh, float sc, int64_t window, float cap,
+void attend(const float* q, const KV* qb, const KV* kc, const KV* vc, const int64_t* table,
+            int64_t L, int64_t BS, int64_t row, int64_t nh, float sc, int64_t window, float cap,
             float* out) {
   // nh kv heads of one request: q/out hold nh * G query heads; kc/vc point at the first head.
   constexpr int C = D / 16;
+  // bfloat16 caches on CPUs with AVX512-BF16: q.k as bfloat16 pair dot products with float32
+  // sums (vdpbf16ps). (p.v the same way, tokens in pairs, measured no faster; not taken.)
+  constexpr bool kDot = kHaveBf16Dot && std::is_same_v<KV, at::BFloat16> && D % 32 == 0;
   constexpr int MAXH = 16;  // the caller splits heads into single-head tasks beyond this
   const float neg_inf = -std::numeric_limits<float>::infinity();
   v16 acc[MAXH][G][C];
@@ -150,18 +174,40 @@ void attend(const float* q, const KV* kc, const KV* vc, const int64_t* table, in
       const KV* vh = vc + h * D;
       float p[G][16];
       for (int g = 0; g < G; ++g) {
-        v16 qs[C];
-        for (int c = 0; c < C; ++c) qs[c] = load(qh + g * D + 16 * c) * sc;
         v16 part[16];
-        for (int i = 0; i < 16; ++i) {
-          v16 a = {};
-          if (i < n) {
-            const KV* k = kh + slots[i];
-            for (int c = 0; c < C; ++c) a += qs[c] * load(k + 16 * c);
+#if defined(__AVX512BF16__)
+        if constexpr (kDot) {  // no widening of K, which each of the G query heads would repeat
+          constexpr int C2 = D / 32;
+          __m512bh qv[C2];
+          for (int c = 0; c < C2; ++c)
+            qv[c] = (__m512bh)_mm512_loadu_si512(qb + (h * G + g) * D + 32 * c);
+          for (int i = 0; i < 16; ++i) {
+            __m512 a = _mm512_setzero_ps();
+            if (i < n) {
+              const KV* k = kh + slots[i];
+              for (int c = 0; c < C2; ++c)
+                a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+            }
+            part[kBitrev4[i]] = (v16)a;
           }
-          part[kBitrev4[i]] = a;
+        } else
+#endif
+        {
+          v16 qs[C];
+          for (int c = 0; c < C; ++c) qs[c] = load(qh + g * D + 16 * c) * sc;
+          for (int i = 0; i < 16; ++i) {
+            v16 a = {};
+            if (i < n) {
+              const KV* k = kh + slots[i];
+              for (int c = 0; c < C; ++c) a += qs[c] * load(k + 16 * c);
+            }
+            part[kBitrev4[i]] = a;
+          }
         }
         v16 s = reduce16(part);
+#if defined(__AVX512BF16__)
+        if constexpr (kDot) s *= sc;
+#endif
         if (cap > 0.f)
           for (int i = 0; i < n; ++i) s[i] = std::tanh(s[i] / cap) * cap;
         for (int i = n; i < 16; ++i) s[i] = neg_inf;
@@ -189,14 +235,16 @@ void attend(const float* q, const KV* kc, const KV* vc, const int64_t* table, in
     }
   }
   for (int64_t h = 0; h < nh; ++h)
-    for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c)
-        store(out + (h * G + g) * D + 16 * c, acc[h][g][c] * (1.f / l[h][g]));
+    for (int g = 0; g < G; ++g) {
+      float* o = out + (h * G + g) * D;
+      const float r = 1.f / l[h][g];
+      for (int c = 0; c < C; ++c) store(o + 16 * c, acc[h][g][c] * r);
+    }
 }
 
 template <typename KV>
-using AttendFn = void (*)(const float*, const KV*, const KV*, const int64_t*, int64_t, int64_t,
-                          int64_t, int64_t, float, int64_t, float, float*);
+using AttendFn = void (*)(const float*, const KV*, const KV*, const KV*, const int64_t*, int64_t,
+                          int64_t, int64_t, int64_t, float, int64_t, float, float*);
 
 template <typename KV, int D>
 AttendFn<KV> pick_g(int64_t G) {
@@ -226,9 +274,9 @@ AttendFn<KV> pick(int64_t D, int64_t G) {
 }
 
 template <typename KV>
-void run(AttendFn<KV> fn, const float* q, const KV* kc, const KV* vc, const int64_t* bt,
-         const int64_t* lens, int64_t B, int64_t Hq, int64_t Hk, int64_t G, int64_t D,
-         int64_t MB, int64_t BS, float sc, int64_t window, float cap, float* o) {
+void run(AttendFn<KV> fn, const float* q, const KV* qb, const KV* kc, const KV* vc,
+         const int64_t* bt, const int64_t* lens, int64_t B, int64_t Hq, int64_t Hk, int64_t G,
+         int64_t D, int64_t MB, int64_t BS, float sc, int64_t window, float cap, float* o) {
   // Tasks: (request, group of kv heads). All heads of a request in one task read each block's
   // rows whole (contiguous); with few requests, split heads so every thread has work.
   const int64_t threads = at::get_num_threads();
@@ -237,8 +285,9 @@ void run(AttendFn<KV> fn, const float* q, const KV* kc, const KV* vc, const int6
   at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / groups, h = (idx % groups) * nh;
-      fn(q + (b * Hq + h * G) * D, kc + h * D, vc + h * D, bt + b * MB, lens[b], BS, Hk * D, nh,
-         sc, window, cap, o + (b * Hq + h * G) * D);
+      const int64_t head = (b * Hq + h * G) * D;
+      fn(q + head, qb ? qb + head : nullptr, kc + h * D, vc + h * D, bt + b * MB, lens[b], BS,
+         Hk * D, nh, sc, window, cap, o + head);
     }
   });
 }
@@ -258,6 +307,7 @@ torch::Tensor paged_decode_attention(
   TORCH_CHECK(query.scalar_type() == dtype && value_cache.scalar_type() == dtype,
               "query, key and value caches must share one dtype");
   const auto out_dtype = query.scalar_type();
+  const torch::Tensor query_in = query.contiguous();
   query = query.to(torch::kFloat32).contiguous();  // a copy of B x Hq x D values at most
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cache must be contiguous");
   block_tables = block_tables.to(torch::kInt64).contiguous();
@@ -288,8 +338,9 @@ torch::Tensor paged_decode_attention(
 
   auto launch = [&](auto cache_type) {
     using KV = decltype(cache_type);
-    run<KV>(pick<KV>(D, G), q, key_cache.data_ptr<KV>(), value_cache.data_ptr<KV>(), bt, lens, B,
-            Hq, Hk, G, D, MB, BS, sc, window, cap, o);
+    const KV* qb = std::is_same_v<KV, float> ? nullptr : query_in.data_ptr<KV>();
+    run<KV>(pick<KV>(D, G), q, qb, key_cache.data_ptr<KV>(), value_cache.data_ptr<KV>(), bt,
+            lens, B, Hq, Hk, G, D, MB, BS, sc, window, cap, o);
   };
   if (dtype == torch::kFloat32)
     launch(float{});

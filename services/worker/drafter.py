@@ -19,6 +19,7 @@ from services.worker.sampler import (
     _MASK63,
     _SEED_MIX,
     SamplingBatch,
+    argmax_rows,
     exponential_noise,
     filtered_probs,
     seeded_noise,
@@ -119,7 +120,7 @@ def choose_drafts(
     batch = SamplingBatch.build(
         [r[0] for r in rows], [[]] * len(rows), [[]] * len(rows), logits.shape[-1], logits.device
     )
-    chosen = logits.argmax(dim=-1)
+    chosen = argmax_rows(logits)
     if batch.all_greedy:
         return chosen, None
     probs = filtered_probs(logits, batch)
@@ -130,7 +131,7 @@ def choose_drafts(
             # proposes what the target picks whenever q is close to p (seeded verifies accept
             # a draft iff it equals that pick).
             noise[row] = seeded_noise(seed, position, noise.shape[-1], logits.device)
-    sampled = (probs / noise.clamp_min_(1e-30)).argmax(dim=-1)
+    sampled = argmax_rows(probs / noise.clamp_min_(1e-30))
     return torch.where(batch.greedy, chosen, sampled), probs
 
 

@@ -26,6 +26,7 @@ import torch
 from services.worker.sampler import (
     SamplingBatch,
     apply_penalties,
+    argmax_rows,
     exponential_noise,
     race,
     race_probs,
@@ -54,7 +55,7 @@ def verify(
     """logits [R, V] (raw), `batch` rows aligned with them. Returns each group's output tokens:
     the accepted drafts plus one token from the target (1 to k + 1 tokens)."""
     logits = apply_penalties(logits.float(), batch)
-    argmax = logits.argmax(dim=-1).tolist()
+    argmax = argmax_rows(logits).tolist()
     probs = None if batch.all_greedy else race_probs(logits, batch)
     out: list[list[int]] = []
     for g in groups:

@@ -114,8 +114,9 @@ def test_native_decode_matches_reference(hq, hk, d, block_size, lens):
 @pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
 @pytest.mark.parametrize("hq, hk, d, block_size", [(9, 3, 64, 16), (8, 8, 32, 16), (8, 1, 256, 16)])
 def test_native_decode_reads_a_bfloat16_cache(hq, hk, d, block_size):
-    # The kernel widens bfloat16 K/V to float32 exactly and computes in float32, so it must equal
-    # float32 attention over the same bfloat16-rounded values, up to the output's one rounding.
+    # The kernel computes on the exact bfloat16 values with float32 sums (K/V widened, or q.k as
+    # vdpbf16ps's exact products on AVX512-BF16 CPUs), so it must equal float32 attention over
+    # the same bfloat16-rounded values, up to the output's one rounding and the order of sums.
     lens = [1, 17, 40, 100, 257]
     kc, vc, tables = _paged_setup(len(lens), hq, hk, d, block_size, lens, seed=5)
     q = (torch.randn(len(lens), hq, d) * 3).bfloat16()

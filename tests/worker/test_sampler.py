@@ -12,6 +12,7 @@ from services.worker.sampler import (
     Sampler,
     SamplingBatch,
     apply_penalties,
+    argmax_rows,
     exponential_noise,
     filtered_probs,
     token_logprobs,
@@ -342,3 +343,16 @@ def test_exponential_noise_is_exp1_finite_and_positive() -> None:
         assert abs(float((q > t).double().mean()) / math.exp(-t) - 1) < 0.03
     again = exponential_noise((2_000_000,), torch.Generator().manual_seed(0), torch.device("cpu"))
     assert torch.equal(q, again)  # a function of the generator's state
+
+
+def test_argmax_rows_is_argmax_with_ties_nan_and_infinities():
+    # Greedy picks go through argmax_rows (max(dim).indices, faster on CPU): it must give
+    # Tensor.argmax's index everywhere, including the first of tied maxima and a NaN.
+    x = torch.randint(0, 3, (64, 4096)).float()  # many ties per row
+    x[1, 10] = x[1, 20] = float("nan")
+    x[2] = -float("inf")
+    x[3, 7] = float("inf")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(x)[1] == 10 and argmax_rows(x)[2] == 0
+    y = torch.randn(5, 49152).bfloat16()
+    assert torch.equal(argmax_rows(y), y.argmax(dim=-1))
