@@ -34,7 +34,7 @@ def _cpu_signature() -> str:
 
 def _source_hash() -> str:
     digest = hashlib.sha1()
-    for path in sorted(_SOURCES.glob("*.cpp")):
+    for path in sorted([*_SOURCES.glob("*.cpp"), *_SOURCES.glob("*.h")]):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:10]
 

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <tuple>
 
+#include "bf16_bits.h"
+
 // Rotary must round exactly as the torch reference (x * cos + rotate_half(x) * sin, each product
 // and the sum rounded): no fused multiply-add here.
 #if defined(__clang__)
@@ -23,33 +25,9 @@
 
 namespace {
 
-// bfloat16 values are handled as their bits, with conversions written as integer ops so the row
-// loops vectorise (at::BFloat16's own conversion has a NaN branch that stops them): widening is
-// a shift, narrowing rounds to nearest even.
-using bf16 = uint16_t;
-
-inline float to_f(float x) { return x; }
-inline float to_f(bf16 h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-template <typename T>
-inline T from_f(float x);
-template <>
-inline float from_f<float>(float x) {
-  return x;
-}
-template <>
-inline bf16 from_f<bf16>(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;  // stays a (quiet) NaN, never rounds to inf
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<bf16>(nan ? (u >> 16) | 0x40u : rounded);
-}
+using stoker::bf16;
+using stoker::from_f;
+using stoker::to_f;
 
 // What the reference's ops produce: a float32 result as is, a bfloat16 one rounded to nearest.
 template <typename T>

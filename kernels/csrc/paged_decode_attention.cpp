@@ -22,6 +22,8 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+
+#include "bf16_bits.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -130,9 +132,8 @@ inline float hsum(v16 v) {
 // of the group share every K/V row read, scores and accumulators stay in registers, and each
 // chunk's K and V rows are read back to back.
 template <typename KV, int D, int G>
-void attend(const float* q, const KV* qb, const KV* kc, const KV* vc, const int64_t* table,
-            int64_t L, int64_t BS, int64_t row, int64_t nh, float sc, int64_t window, float cap,
-            float* out) {
+void attend(const KV* q, const KV* kc, const KV* vc, const int64_t* table, int64_t L,
+            int64_t BS, int64_t row, int64_t nh, float sc, int64_t window, float cap, KV* out) {
   // nh kv heads of one request: q/out hold nh * G query heads; kc/vc point at the first head.
   constexpr int C = D / 16;
   // bfloat16 caches on CPUs with AVX512-BF16: q.k as bfloat16 pair dot products with float32
@@ -169,7 +170,7 @@ void attend(const float* q, const KV* qb, const KV* kc, const KV* vc, const int6
       }
     }
     for (int64_t h = 0; h < nh; ++h) {
-      const float* qh = q + h * G * D;
+      const KV* qh = q + h * G * D;
       const KV* kh = kc + h * D;
       const KV* vh = vc + h * D;
       float p[G][16];
@@ -180,7 +181,7 @@ void attend(const float* q, const KV* qb, const KV* kc, const KV* vc, const int6
           constexpr int C2 = D / 32;
           __m512bh qv[C2];
           for (int c = 0; c < C2; ++c)
-            qv[c] = (__m512bh)_mm512_loadu_si512(qb + (h * G + g) * D + 32 * c);
+            qv[c] = (__m512bh)_mm512_loadu_si512(qh + g * D + 32 * c);
           for (int i = 0; i < 16; ++i) {
             __m512 a = _mm512_setzero_ps();
             if (i < n) {
@@ -236,15 +237,23 @@ void attend(const float* q, const KV* qb, const KV* kc, const KV* vc, const int6
   }
   for (int64_t h = 0; h < nh; ++h)
     for (int g = 0; g < G; ++g) {
-      float* o = out + (h * G + g) * D;
+      KV* o = out + (h * G + g) * D;
       const float r = 1.f / l[h][g];
-      for (int c = 0; c < C; ++c) store(o + 16 * c, acc[h][g][c] * r);
+      for (int c = 0; c < C; ++c) {
+        const v16 y = acc[h][g][c] * r;
+        if constexpr (std::is_same_v<KV, float>) {
+          store(o + 16 * c, y);
+        } else {  // rounded to nearest even, as torch's .to(bfloat16)
+          auto* bits = reinterpret_cast<stoker::bf16*>(o + 16 * c);
+          for (int i = 0; i < 16; ++i) bits[i] = stoker::from_f<stoker::bf16>(y[i]);
+        }
+      }
     }
 }
 
 template <typename KV>
-using AttendFn = void (*)(const float*, const KV*, const KV*, const KV*, const int64_t*, int64_t,
-                          int64_t, int64_t, int64_t, float, int64_t, float, float*);
+using AttendFn = void (*)(const KV*, const KV*, const KV*, const int64_t*, int64_t, int64_t,
+                          int64_t, int64_t, float, int64_t, float, KV*);
 
 template <typename KV, int D>
 AttendFn<KV> pick_g(int64_t G) {
@@ -274,9 +283,9 @@ AttendFn<KV> pick(int64_t D, int64_t G) {
 }
 
 template <typename KV>
-void run(AttendFn<KV> fn, const float* q, const KV* qb, const KV* kc, const KV* vc,
-         const int64_t* bt, const int64_t* lens, int64_t B, int64_t Hq, int64_t Hk, int64_t G,
-         int64_t D, int64_t MB, int64_t BS, float sc, int64_t window, float cap, float* o) {
+void run(AttendFn<KV> fn, const KV* q, const KV* kc, const KV* vc, const int64_t* bt,
+         const int64_t* lens, int64_t B, int64_t Hq, int64_t Hk, int64_t G, int64_t D, int64_t MB,
+         int64_t BS, float sc, int64_t window, float cap, KV* o) {
   // Tasks: (request, group of kv heads). All heads of a request in one task read each block's
   // rows whole (contiguous); with few requests, split heads so every thread has work.
   const int64_t threads = at::get_num_threads();
@@ -286,8 +295,8 @@ void run(AttendFn<KV> fn, const float* q, const KV* qb, const KV* kc, const KV* 
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / groups, h = (idx % groups) * nh;
       const int64_t head = (b * Hq + h * G) * D;
-      fn(q + head, qb ? qb + head : nullptr, kc + h * D, vc + h * D, bt + b * MB, lens[b], BS,
-         Hk * D, nh, sc, window, cap, o + head);
+      fn(q + head, kc + h * D, vc + h * D, bt + b * MB, lens[b], BS, Hk * D, nh, sc, window, cap,
+         o + head);
     }
   });
 }
@@ -306,9 +315,7 @@ torch::Tensor paged_decode_attention(
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "float32 or bfloat16 cache");
   TORCH_CHECK(query.scalar_type() == dtype && value_cache.scalar_type() == dtype,
               "query, key and value caches must share one dtype");
-  const auto out_dtype = query.scalar_type();
-  const torch::Tensor query_in = query.contiguous();
-  query = query.to(torch::kFloat32).contiguous();  // a copy of B x Hq x D values at most
+  query = query.contiguous();  // q is read and the output written in the cache's dtype
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "cache must be contiguous");
   block_tables = block_tables.to(torch::kInt64).contiguous();
   context_lens = context_lens.to(torch::kInt64).contiguous();
@@ -323,10 +330,8 @@ torch::Tensor paged_decode_attention(
   TORCH_CHECK(block_tables.size(0) == B && context_lens.numel() == B,
               "one block-table row and one context length per query row");
   TORCH_CHECK(supports(D, G), "unsupported head_dim ", D, " or group size ", G);
-  const float* q = query.data_ptr<float>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  float* o = out.data_ptr<float>();
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: off)");
   // Every block the kernel will read must exist: a bad table is an error, not a stray read.
@@ -338,13 +343,13 @@ torch::Tensor paged_decode_attention(
 
   auto launch = [&](auto cache_type) {
     using KV = decltype(cache_type);
-    const KV* qb = std::is_same_v<KV, float> ? nullptr : query_in.data_ptr<KV>();
-    run<KV>(pick<KV>(D, G), q, qb, key_cache.data_ptr<KV>(), value_cache.data_ptr<KV>(), bt,
-            lens, B, Hq, Hk, G, D, MB, BS, sc, window, cap, o);
+    run<KV>(pick<KV>(D, G), query.data_ptr<KV>(), key_cache.data_ptr<KV>(),
+            value_cache.data_ptr<KV>(), bt, lens, B, Hq, Hk, G, D, MB, BS, sc, window, cap,
+            out.data_ptr<KV>());
   };
   if (dtype == torch::kFloat32)
     launch(float{});
   else
     launch(at::BFloat16{});
-  return out_dtype == torch::kFloat32 ? out : out.to(out_dtype);
+  return out;
 }
