@@ -32,8 +32,14 @@ def _cpu_signature() -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
+# 512-bit vectors for the loops GCC vectorises itself (norms, rotary): -march=native on an
+# AVX-512 CPU otherwise prefers 256-bit ones, and the bfloat16 norm and rotary ran 1.5-2x
+# slower for it (docs/benchmarks.md, eleventh session). CPUs without AVX-512 ignore it.
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
+
+
 def _source_hash() -> str:
-    digest = hashlib.sha1()
+    digest = hashlib.sha1(" ".join(CFLAGS).encode())
     for path in sorted([*_SOURCES.glob("*.cpp"), *_SOURCES.glob("*.h")]):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:10]
@@ -70,7 +76,7 @@ def load() -> ModuleType | None:
                             "panel_linear.cpp",
                         )
                     ],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_cflags=CFLAGS,
                     extra_ldflags=["-fopenmp"],
                     verbose=False,
                 )
