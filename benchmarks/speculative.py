@@ -100,6 +100,7 @@ def main() -> None:
         default=("shakespeare", "chat", "copy-heavy"),
     )
     ap.add_argument("--no-sweep", action="store_true", help="skip the by-batch-size sweep")
+    ap.add_argument("--dtype", default="float32", help="the target's (and heads') dtype")
     a = ap.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     modes = {m: o for m, o in MODES.items() if not (a.no_draft and m == "draft")}
@@ -110,13 +111,14 @@ def main() -> None:
             a.model,
             num_speculative_tokens=a.k,
             speculative_adaptive=False,  # measure speculation itself; adaptivity is swept below
+            dtype=a.dtype,
             **opts,
         )
         for mode, opts in modes.items()
     }
     copy_prompts = copy_heavy_prompts(engines["none"], a.max_tokens)
     draft = str(default_draft(resolve_model(a.model)))  # what `--speculative draft` loads
-    results: dict = {"model": a.model, "draft": draft, "k": a.k}
+    results: dict = {"model": a.model, "draft": draft, "k": a.k, "dtype": a.dtype}
     if a.eagle:
         results["eagle"] = a.eagle
     workloads = [("shakespeare", PROMPTS), ("copy-heavy", copy_prompts)]

@@ -33,7 +33,7 @@ def _cpu_signature() -> str:
 
 
 # 512-bit vectors for the loops GCC vectorises itself (norms, rotary): -march=native on an
-# AVX-512 CPU otherwise prefers 256-bit ones, and the bfloat16 norm and rotary ran 1.5-2x
+# AVX-512 CPU otherwise prefers 256-bit ones, and the bfloat16 norm and rotary ran 1.4-1.5x
 # slower for it (docs/benchmarks.md, eleventh session). CPUs without AVX-512 ignore it.
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 
