@@ -35,6 +35,14 @@ class Served:
             cmd, cwd=REPO, env={**ENV, **env}, stdout=self._log, stderr=subprocess.STDOUT
         )
         wait_healthy(f"{self.url}/health", procs=[self.proc])
+        # The launcher announces readiness when its own 0.2 s poll sees /health: wait for that
+        # too, or a test that stops the server at once can miss the launcher's line (seen
+        # under a full suite's load in tests/observability/test_json_logs.py).
+        deadline = time.monotonic() + 30
+        while "(ready in " not in self.logs() and self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         self.children = children_of(self.proc.pid)
 
     def child(self, module: str) -> list[int]:
