@@ -206,9 +206,7 @@ void attend(const KV* q, const KV* kc, const KV* vc, const int64_t* table, int64
           }
         }
         v16 s = reduce16(part);
-#if defined(__AVX512BF16__)
-        if constexpr (kDot) s *= sc;
-#endif
+        if constexpr (kDot) s *= sc;  // the other path scaled q instead
         if (cap > 0.f)
           for (int i = 0; i < n; ++i) s[i] = std::tanh(s[i] / cap) * cap;
         for (int i = n; i < 16; ++i) s[i] = neg_inf;
