@@ -125,16 +125,17 @@ def use_panel_linear() -> bool:
     """Whether float32 linear weights go in `panel_linear`'s layout instead of oneDNN's.
 
     STOKER_CPU_GEMM=panel / onednn forces the choice; by default panels on CPUs whose best ISA
-    is AVX2, where the panel kernel ran SmolLM2's linear layers 1.4-2.0x faster than oneDNN's
-    packed kernel at 1-8 rows and 1.06-1.3x at 32-512 (docs/benchmarks.md, tenth session). On
-    AVX-512 CPUs oneDNN's wider kernels are kept: the panel kernel is AVX2 code."""
+    is AVX2 or AVX-512. On the AVX2 box the panel kernel ran SmolLM2's linear layers 1.4-2.0x
+    faster than oneDNN's packed kernel at 1-8 rows and 1.06-1.3x at 32-512; on the AVX-512 Zen 4
+    box 1.8-2.3x at 1-8 rows, 1.3x at 32 and level from 64 up (docs/benchmarks.md, tenth and
+    twelfth sessions)."""
     choice = os.environ.get("STOKER_CPU_GEMM", "auto")
     if choice == "onednn":
         return False
     module = load()
     if module is None or not module.panel_linear_supported():
         return False
-    return choice == "panel" or torch.backends.cpu.get_cpu_capability() == "AVX2"
+    return choice == "panel" or torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

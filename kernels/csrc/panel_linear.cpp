@@ -1,15 +1,17 @@
-// A float32 linear layer for the few-row GEMMs of decode and verify steps on AVX2 CPUs:
-// y[M, N] = x[M, K] @ W[N, K]^T (+ bias), with W laid out once at load time in panels of 16
+// A float32 linear layer for the GEMMs of decode, verify and prefill steps on AVX2 and AVX-512
+// CPUs: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), with W laid out once at load time in panels of 16
 // output columns, [N / 16, K, 16], so a panel is one contiguous stream.
 //
 // Why: at 1-64 rows oneDNN's packed float32 kernel reached 66 GFLOP/s at 32 rows on the 2-core
-// AVX2 box where it does 117-125 on a large GEMM (docs/benchmarks.md, sixth session). Here each
-// thread walks whole panels; a 6 x 16 register tile (12 accumulators, BLIS's Haswell shape) runs
-// down K with one broadcast per row and two panel loads per step, so a panel is read from memory
-// once per chunk of rows and the FMA units, not the loads, set the pace.
+// AVX2 box where it does 117-125 on a large GEMM (docs/benchmarks.md, sixth session), and on an
+// AVX-512 Zen 4 box it read the weights at half the bandwidth at 1 row (twelfth session). Here
+// each thread walks whole panels with a register tile that runs down K with one broadcast per row
+// and one load per panel per step, so a panel is read from memory once per chunk of rows and the
+// FMA units, not the loads, set the pace: on AVX2 a 6 x 16 tile (12 accumulators, BLIS's Haswell
+// shape), on AVX-512 a 12 x 32 tile over two panels (24 of the 32 registers).
 //
-// Every output is one FMA chain over k = 0..K-1 in order, whatever M is or which tile a row lands
-// in, so a row's result does not depend on the batch it is computed in.
+// Every output is one FMA chain over k = 0..K-1 in order, whatever M is, which tile a row lands
+// in or which ISA runs it, so a row's result does not depend on the batch it is computed in.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -78,6 +80,120 @@ inline void tile_rows(int64_t rows, const float* x, int64_t ldx, const float* pa
 }
 #endif
 
+#ifdef __AVX512F__
+// The AVX-512 tile: rows [0, R) against two adjacent panels (32 output columns, one 16-float
+// register each), 2R named accumulators, R <= 12, so 24 of the 32 registers accumulate and a
+// panel register is loaded once per two FMAs and a broadcast once per two. Each output is the
+// same in-order FMA chain over K as the AVX2 tile's, so the two give identical bits.
+template <int R, bool Two>
+inline void tile512(const float* x, int64_t ldx, const float* pa, int64_t K, const float* bias,
+                    float* y, int64_t ldy) {
+  const float* pb = pa + K * kPanel;  // the next panel (only read when Two)
+  __m512 a0 = _mm512_setzero_ps(), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0,
+         a4 = a0, b4 = a0, a5 = a0, b5 = a0, a6 = a0, b6 = a0, a7 = a0, b7 = a0, a8 = a0, b8 = a0,
+         a9 = a0, b9 = a0, a10 = a0, b10 = a0, a11 = a0, b11 = a0;
+#define STOKER_ROW(i)                                      \
+  if constexpr (R > i) {                                   \
+    const __m512 v = _mm512_set1_ps(x[i * ldx + k]);       \
+    a##i = _mm512_fmadd_ps(v, wa, a##i);                   \
+    if constexpr (Two) b##i = _mm512_fmadd_ps(v, wb, b##i); \
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 wa = _mm512_load_ps(pa + k * kPanel);
+    const __m512 wb = Two ? _mm512_load_ps(pb + k * kPanel) : wa;
+    STOKER_ROW(0) STOKER_ROW(1) STOKER_ROW(2) STOKER_ROW(3) STOKER_ROW(4) STOKER_ROW(5)
+    STOKER_ROW(6) STOKER_ROW(7) STOKER_ROW(8) STOKER_ROW(9) STOKER_ROW(10) STOKER_ROW(11)
+  }
+#undef STOKER_ROW
+  const __m512 ba = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 bb = bias && Two ? _mm512_loadu_ps(bias + kPanel) : _mm512_setzero_ps();
+#define STOKER_STORE(i)                                                               \
+  if constexpr (R > i) {                                                              \
+    _mm512_storeu_ps(y + i * ldy, bias ? _mm512_add_ps(a##i, ba) : a##i);             \
+    if constexpr (Two)                                                                \
+      _mm512_storeu_ps(y + i * ldy + kPanel, bias ? _mm512_add_ps(b##i, bb) : b##i);  \
+  }
+  STOKER_STORE(0) STOKER_STORE(1) STOKER_STORE(2) STOKER_STORE(3) STOKER_STORE(4) STOKER_STORE(5)
+  STOKER_STORE(6) STOKER_STORE(7) STOKER_STORE(8) STOKER_STORE(9) STOKER_STORE(10)
+  STOKER_STORE(11)
+#undef STOKER_STORE
+}
+
+constexpr int64_t kTileRows512 = 12;
+constexpr int64_t kChunkRows512 = 96;  // 48, 96, 192 and 384 measured the same
+
+template <bool Two>
+inline void tile512_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t K,
+                         const float* bias, float* y, int64_t ldy) {
+  switch (rows) {
+    case 12: return tile512<12, Two>(x, ldx, panel, K, bias, y, ldy);
+    case 11: return tile512<11, Two>(x, ldx, panel, K, bias, y, ldy);
+    case 10: return tile512<10, Two>(x, ldx, panel, K, bias, y, ldy);
+    case 9: return tile512<9, Two>(x, ldx, panel, K, bias, y, ldy);
+    case 8: return tile512<8, Two>(x, ldx, panel, K, bias, y, ldy);
+    case 7: return tile512<7, Two>(x, ldx, panel, K, bias, y, ldy);
+    case 6: return tile512<6, Two>(x, ldx, panel, K, bias, y, ldy);
+    case 5: return tile512<5, Two>(x, ldx, panel, K, bias, y, ldy);
+    case 4: return tile512<4, Two>(x, ldx, panel, K, bias, y, ldy);
+    case 3: return tile512<3, Two>(x, ldx, panel, K, bias, y, ldy);
+    case 2: return tile512<2, Two>(x, ldx, panel, K, bias, y, ldy);
+    default: return tile512<1, Two>(x, ldx, panel, K, bias, y, ldy);
+  }
+}
+#endif
+
+#ifdef STOKER_PANEL_LINEAR
+// Rows are split evenly into chunks and each chunk evenly into tiles (8 rows: 4 + 4, not 6 + 2),
+// since a tile of 1-3 rows is bound by the FMA latency, not the FMA units.
+inline void run_avx2(const float* xp, int64_t ldx, int64_t M, const float* wp,
+                     int64_t num_panels, int64_t K, const float* b, float* yp) {
+  const int64_t N = num_panels * kPanel;
+  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t m0 = M * c / chunks, m1 = M * (c + 1) / chunks;
+    const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
+    at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const float* panel = wp + p * K * kPanel;
+        const float* bp = b ? b + p * kPanel : nullptr;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t r0 = m0 + (m1 - m0) * t / tiles, r1 = m0 + (m1 - m0) * (t + 1) / tiles;
+          tile_rows(r1 - r0, xp + r0 * ldx, ldx, panel, K, bp, yp + r0 * N + p * kPanel, N);
+        }
+      }
+    });
+  }
+}
+#endif
+
+#ifdef __AVX512F__
+// As run_avx2, over pairs of panels (an odd count leaves the last panel alone) and 12-row tiles.
+inline void run_avx512(const float* xp, int64_t ldx, int64_t M, const float* wp,
+                       int64_t num_panels, int64_t K, const float* b, float* yp) {
+  const int64_t N = num_panels * kPanel;
+  const int64_t pairs = (num_panels + 1) / 2;
+  const int64_t chunks = (M + kChunkRows512 - 1) / kChunkRows512;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t m0 = M * c / chunks, m1 = M * (c + 1) / chunks;
+    const int64_t tiles = (m1 - m0 + kTileRows512 - 1) / kTileRows512;
+    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t q = begin; q < end; ++q) {
+        const int64_t p = 2 * q;
+        const float* panel = wp + p * K * kPanel;
+        const float* bp = b ? b + p * kPanel : nullptr;
+        const bool two = p + 1 < num_panels;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t r0 = m0 + (m1 - m0) * t / tiles, r1 = m0 + (m1 - m0) * (t + 1) / tiles;
+          float* yt = yp + r0 * N + p * kPanel;
+          if (two) tile512_rows<true>(r1 - r0, xp + r0 * ldx, ldx, panel, K, bp, yt, N);
+          else tile512_rows<false>(r1 - r0, xp + r0 * ldx, ldx, panel, K, bp, yt, N);
+        }
+      }
+    });
+  }
+}
+#endif
+
 }  // namespace
 
 bool panel_linear_supported() {
@@ -118,26 +234,13 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
     b = bias_c.data_ptr<float>();
   }
 #ifdef STOKER_PANEL_LINEAR
-  const float* xp = x2.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  // Rows are split evenly into chunks and each chunk evenly into tiles (8 rows: 4 + 4, not 6 + 2),
-  // since a tile of 1-3 rows is bound by the FMA latency, not the FMA units.
-  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t m0 = M * c / chunks, m1 = M * (c + 1) / chunks;
-    const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
-    at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const float* panel = wp + p * K * kPanel;
-        const float* bp = b ? b + p * kPanel : nullptr;
-        for (int64_t t = 0; t < tiles; ++t) {
-          const int64_t r0 = m0 + (m1 - m0) * t / tiles, r1 = m0 + (m1 - m0) * (t + 1) / tiles;
-          tile_rows(r1 - r0, xp + r0 * ldx, ldx, panel, K, bp, yp + r0 * N + p * kPanel, N);
-        }
-      }
-    });
-  }
+#ifdef __AVX512F__
+  run_avx512(x2.data_ptr<float>(), ldx, M, panels.data_ptr<float>(), num_panels, K, b,
+             y.data_ptr<float>());
+#else
+  run_avx2(x2.data_ptr<float>(), ldx, M, panels.data_ptr<float>(), num_panels, K, b,
+           y.data_ptr<float>());
+#endif
 #endif
   return y.reshape(out_shape);
 }

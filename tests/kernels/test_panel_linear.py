@@ -1,4 +1,4 @@
-"""The native panel linear kernel (AVX2 float32) against float64 matmuls, its batch
+"""The native panel linear kernel (float32, AVX2 or AVX-512) against float64 matmuls, its batch
 invariance, and which layout `pack_weight` picks."""
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ def _weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]
     return torch.randn(n, k, generator=gen) / k**0.5, torch.randn(n, generator=gen)
 
 
-# Rows around the 6-row register tile and the 48-row chunk; K odd and even.
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 47, 48, 49, 100])
+# Rows around the register tiles (6 rows on AVX2, 12 on AVX-512) and the chunks (48, 96); K odd
+# and even; an odd number of panels (16, 48 columns: AVX-512 pairs them).
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 11, 12, 13, 25, 47, 48, 49, 97, 100])
 @pytest.mark.parametrize(("n", "k"), [(16, 3), (96, 64), (48, 577)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_linear_matches_a_float64_matmul(rows, n, k, with_bias):
@@ -48,12 +49,12 @@ def test_panel_linear_takes_strided_rows_and_leading_dims():
 
 def test_a_rows_result_does_not_depend_on_its_batch():
     """Each output is one FMA chain over K in order, so a row computes bitwise the same alone,
-    in a partial tile, or past the 48-row chunk: decode and verify steps agree exactly."""
+    in a partial tile, or past a chunk of rows: decode and verify steps agree exactly."""
     weight, bias = _weights(64, 200)
     panels = cpu_ops.pack_panels(weight)
-    x = torch.randn(60, 200)
+    x = torch.randn(110, 200)
     full = cpu_ops.panel_linear(x, panels, bias)
-    for row in (0, 5, 6, 47, 48, 59):
+    for row in (0, 5, 6, 11, 12, 47, 48, 59, 96, 109):
         assert torch.equal(cpu_ops.panel_linear(x[row : row + 1], panels, bias)[0], full[row])
     assert torch.equal(cpu_ops.panel_linear(x[3:10], panels, bias), full[3:10])
 
