@@ -23,7 +23,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (fp32/bf16)");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual) (fp32/bf16)");
   m.def("apply_rotary", &apply_rotary, "rotary embedding of q and k (fp32/bf16)");
-  m.def("panel_linear_supported", &panel_linear_supported, "whether panel_linear was built (AVX2 or AVX-512)");
+  m.def("panel_linear_supported", &panel_linear_supported,
+        "whether panel_linear was built (AVX2 or AVX-512)");
   m.def("pack_panels", &pack_panels, "a float32 [N, K] weight as [N / 16, K, 16] panels");
-  m.def("panel_linear", &panel_linear, "x @ W^T (+ bias) against panel-packed W (fp32, AVX2 or AVX-512)");
+  m.def("panel_linear", &panel_linear,
+        "x @ W^T (+ bias) against panel-packed W (fp32, AVX2 or AVX-512)");
 }

@@ -143,50 +143,27 @@ inline void tile512_rows(int64_t rows, const float* x, int64_t ldx, const float*
 #endif
 
 #ifdef STOKER_PANEL_LINEAR
-// Rows are split evenly into chunks and each chunk evenly into tiles (8 rows: 4 + 4, not 6 + 2),
-// since a tile of 1-3 rows is bound by the FMA latency, not the FMA units.
-inline void run_avx2(const float* xp, int64_t ldx, int64_t M, const float* wp,
-                     int64_t num_panels, int64_t K, const float* b, float* yp) {
+// Rows are split evenly into chunks of at most ChunkRows and each chunk evenly into tiles of at
+// most TileRows (8 rows on AVX2: 4 + 4, not 6 + 2), since a tile of 1-3 rows is bound by the FMA
+// latency, not the FMA units. Threads share out tasks of Width adjacent panels; an odd panel
+// count leaves the last task one panel. tile(rows, x, panel, panels_in_task, bias, y) runs one.
+template <int64_t TileRows, int64_t ChunkRows, int64_t Width, typename Tile>
+inline void run(const float* xp, int64_t ldx, int64_t M, const float* wp, int64_t num_panels,
+                int64_t K, const float* b, float* yp, Tile tile) {
   const int64_t N = num_panels * kPanel;
-  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
+  const int64_t tasks = (num_panels + Width - 1) / Width;
+  const int64_t chunks = (M + ChunkRows - 1) / ChunkRows;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t m0 = M * c / chunks, m1 = M * (c + 1) / chunks;
-    const int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
-    at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
+    const int64_t tiles = (m1 - m0 + TileRows - 1) / TileRows;
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t p = task * Width, width = std::min(Width, num_panels - p);
         const float* panel = wp + p * K * kPanel;
         const float* bp = b ? b + p * kPanel : nullptr;
         for (int64_t t = 0; t < tiles; ++t) {
           const int64_t r0 = m0 + (m1 - m0) * t / tiles, r1 = m0 + (m1 - m0) * (t + 1) / tiles;
-          tile_rows(r1 - r0, xp + r0 * ldx, ldx, panel, K, bp, yp + r0 * N + p * kPanel, N);
-        }
-      }
-    });
-  }
-}
-#endif
-
-#ifdef __AVX512F__
-// As run_avx2, over pairs of panels (an odd count leaves the last panel alone) and 12-row tiles.
-inline void run_avx512(const float* xp, int64_t ldx, int64_t M, const float* wp,
-                       int64_t num_panels, int64_t K, const float* b, float* yp) {
-  const int64_t N = num_panels * kPanel;
-  const int64_t pairs = (num_panels + 1) / 2;
-  const int64_t chunks = (M + kChunkRows512 - 1) / kChunkRows512;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t m0 = M * c / chunks, m1 = M * (c + 1) / chunks;
-    const int64_t tiles = (m1 - m0 + kTileRows512 - 1) / kTileRows512;
-    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t q = begin; q < end; ++q) {
-        const int64_t p = 2 * q;
-        const float* panel = wp + p * K * kPanel;
-        const float* bp = b ? b + p * kPanel : nullptr;
-        const bool two = p + 1 < num_panels;
-        for (int64_t t = 0; t < tiles; ++t) {
-          const int64_t r0 = m0 + (m1 - m0) * t / tiles, r1 = m0 + (m1 - m0) * (t + 1) / tiles;
-          float* yt = yp + r0 * N + p * kPanel;
-          if (two) tile512_rows<true>(r1 - r0, xp + r0 * ldx, ldx, panel, K, bp, yt, N);
-          else tile512_rows<false>(r1 - r0, xp + r0 * ldx, ldx, panel, K, bp, yt, N);
+          tile(r1 - r0, xp + r0 * ldx, panel, width, bp, yp + r0 * N + p * kPanel);
         }
       }
     });
@@ -234,12 +211,23 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
     b = bias_c.data_ptr<float>();
   }
 #ifdef STOKER_PANEL_LINEAR
+  const float* xp = x2.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
 #ifdef __AVX512F__
-  run_avx512(x2.data_ptr<float>(), ldx, M, panels.data_ptr<float>(), num_panels, K, b,
-             y.data_ptr<float>());
+  run<kTileRows512, kChunkRows512, 2>(
+      xp, ldx, M, wp, num_panels, K, b, yp,
+      [&](int64_t rows, const float* x, const float* panel, int64_t width, const float* bp,
+          float* yt) {
+        if (width == 2) tile512_rows<true>(rows, x, ldx, panel, K, bp, yt, N);
+        else tile512_rows<false>(rows, x, ldx, panel, K, bp, yt, N);
+      });
 #else
-  run_avx2(x2.data_ptr<float>(), ldx, M, panels.data_ptr<float>(), num_panels, K, b,
-           y.data_ptr<float>());
+  run<kTileRows, kChunkRows, 1>(
+      xp, ldx, M, wp, num_panels, K, b, yp,
+      [&](int64_t rows, const float* x, const float* panel, int64_t, const float* bp, float* yt) {
+        tile_rows(rows, x, ldx, panel, K, bp, yt, N);
+      });
 #endif
 #endif
   return y.reshape(out_shape);

@@ -73,7 +73,8 @@ def pack_linear_weights(model: nn.Module) -> None:
     """Re-lay the 2-D linear weights (each module's LINEAR_WEIGHTS) out for `linear`'s CPU
     kernels. On CPU in float32 oneDNN's run 2-3x faster than F.linear's (measured on this
     project's 2-core box: 359 vs 118 GFLOPS at 64 rows), and the panel kernel faster still on
-    AVX2 and AVX-512 boxes at decode's row counts. The result equals F.linear's to float32 rounding."""
+    AVX2 and AVX-512 boxes at decode's row counts. The result equals F.linear's to float32
+    rounding."""
     for module in model.modules():
         for name in getattr(module, "LINEAR_WEIGHTS", ()):
             weight = getattr(module, name)
