@@ -74,6 +74,7 @@ def load() -> ModuleType | None:
                             "paged_decode_attention.cpp",
                             "norm_rope.cpp",
                             "panel_linear.cpp",
+                            "sampling_noise.cpp",
                         )
                     ],
                     extra_cflags=CFLAGS,

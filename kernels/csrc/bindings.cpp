@@ -16,6 +16,7 @@ std::tuple<torch::Tensor, torch::Tensor> apply_rotary(torch::Tensor q, torch::Te
 bool panel_linear_supported();
 torch::Tensor pack_panels(torch::Tensor weight);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias);
+torch::Tensor exponential_noise_rows(torch::Tensor keys, int64_t vocab);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports", &supports, "whether a head_dim / query-per-kv-head group has a kernel");
@@ -28,4 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "a float32 [N, K] weight as [N / 16, K, 16] panels");
   m.def("panel_linear", &panel_linear,
         "x @ W^T (+ bias) against panel-packed W (fp32, AVX2 or AVX-512)");
+  m.def("exponential_noise_rows", &exponential_noise_rows,
+        "Exp(1) float32 noise [rows, vocab] from counter-based per-row keys");
 }

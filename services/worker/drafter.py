@@ -15,15 +15,8 @@ from common.model_config import ModelConfig, ModelLoadError
 from common.sampling_params import SamplingParams
 from services.worker.kv_sizing import kv_block_bytes
 from services.worker.loader import check_model_folder, load_model
-from services.worker.sampler import (
-    _MASK63,
-    _SEED_MIX,
-    SamplingBatch,
-    argmax_rows,
-    exponential_noise,
-    filtered_probs,
-    seeded_noise,
-)
+from services.worker.sampler import SamplingBatch, argmax_rows, filtered_probs
+from services.worker.sampling_noise import MASK63, SEED_MIX, exponential_noise, seeded_noise
 from services.worker.step_inputs import Chunk, build_step_inputs, max_decode_chunk
 
 _DRAFT_SALT = 0x5EED_D4AF  # keeps draft noise apart from the target sampler's (seed, position)
@@ -57,7 +50,7 @@ class Drafter:
         # Its own stream, distinct from the target sampler's: proposals drawn with the same noise
         # as the token before them would be correlated with it.
         self.generator = torch.Generator(device=device)
-        self.generator.manual_seed((seed * _SEED_MIX + _DRAFT_SALT) & _MASK63)
+        self.generator.manual_seed((seed * SEED_MIX + _DRAFT_SALT) & MASK63)
 
     def kv_block_bytes(self, elem_size: int) -> int:
         cfg = self.cfg

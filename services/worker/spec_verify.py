@@ -23,15 +23,8 @@ import dataclasses
 
 import torch
 
-from services.worker.sampler import (
-    SamplingBatch,
-    apply_penalties,
-    argmax_rows,
-    exponential_noise,
-    race,
-    race_probs,
-    seeded_noise,
-)
+from services.worker.sampler import SamplingBatch, apply_penalties, argmax_rows, race, race_probs
+from services.worker.sampling_noise import exponential_noise, seeded_noise
 
 
 @dataclasses.dataclass

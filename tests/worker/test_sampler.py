@@ -13,10 +13,10 @@ from services.worker.sampler import (
     SamplingBatch,
     apply_penalties,
     argmax_rows,
-    exponential_noise,
     filtered_probs,
     token_logprobs,
 )
+from services.worker.sampling_noise import exponential_noise
 from services.worker.sampling_state import RequestSampling, Row, batch_for
 
 V = 8

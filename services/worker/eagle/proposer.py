@@ -23,7 +23,7 @@ from services.worker.eagle.config import EagleConfig
 from services.worker.eagle.head import load_head
 from services.worker.kv_sizing import kv_block_bytes
 from services.worker.models.layers import CausalLM, linear, pack_weight
-from services.worker.sampler import _MASK63, _SEED_MIX
+from services.worker.sampling_noise import MASK63, SEED_MIX
 from services.worker.step_inputs import Chunk, build_step_inputs, max_decode_chunk
 
 Item = tuple[str, list[int], list[int], SamplingParams, int, int]
@@ -53,7 +53,7 @@ class EagleProposer:
         self.computed: dict[str, int] = {}  # per request: positions whose head K/V is valid
         self.feats: dict[str, tuple[int, torch.Tensor]] = {}  # (first position, [m, hidden])
         self.generator = torch.Generator(device=device)
-        self.generator.manual_seed((seed * _SEED_MIX + _DRAFT_SALT) & _MASK63)
+        self.generator.manual_seed((seed * SEED_MIX + _DRAFT_SALT) & MASK63)
         self.draft_lm_head = _draft_lm_head(target, self.head.d2t)
 
     def draft_logits(self, streams: torch.Tensor) -> torch.Tensor:
