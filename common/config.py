@@ -10,6 +10,7 @@ from common.model_registry import BUNDLED_DIR, DEFAULT_DRAFT, default_draft, res
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "stoker-tiny"
 DEFAULT_DRAFT_MODEL = BUNDLED_DIR / DEFAULT_DRAFT  # --speculative draft on any other model
+CPU_PREFILL_CHUNK_TOKENS = 512
 
 
 @dataclasses.dataclass
@@ -25,6 +26,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # Prompt tokens per step, decodes not counted (SGLang's chunked prefill size); 0: only
+    # max_num_batched_tokens caps them. None: 512 on CPU, where a prefill step is
+    # arithmetic-bound from ~64 rows, so bigger chunks buy no throughput and only make each
+    # prompt of a wave wait for the whole wave (SmolLM2 at 32 streams: TTFT p50 4.6 s with
+    # 2048-token steps, 2.3 s with 512; docs/benchmarks.md, thirteenth session); 0 on CUDA
+    # and for the null model.
+    prefill_chunk_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -62,6 +70,11 @@ class EngineConfig:
             raise ValueError("block_size must be positive")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be positive")
+        if self.prefill_chunk_tokens is None:
+            cpu = self.device == "cpu" and not self.null_model
+            self.prefill_chunk_tokens = CPU_PREFILL_CHUNK_TOKENS if cpu else 0
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError("prefill_chunk_tokens must be >= 0 (0: no cap)")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_cudagraph_capture_size < 1:

@@ -28,6 +28,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    g.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens per step, decodes not counted (default: 512 on CPU; 0: no cap)",
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument(
         "--enable-prefix-caching",

@@ -41,6 +41,11 @@ from services.scheduler.waiting import WaitingQueue
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # Prompt-chunk tokens per step (requests computing more than one token, a prompt or a
+    # recompute after preemption); decodes and verifies are not counted. None:
+    # only max_num_batched_tokens caps them. Small chunks let each prompt of a wave start
+    # decoding as soon as its own chunk is done instead of when the wave's is.
+    prefill_chunk_tokens: int | None = None
     max_model_len: int = 2048
     watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
 
@@ -121,6 +126,8 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         budget = self.config.max_num_batched_tokens
+        chunk = self.config.prefill_chunk_tokens
+        prefill_left = budget if chunk is None else chunk
         self.blocks.begin_step()
         new_requests: list[NewRequestData] = []
         running = RunningRequestData()
@@ -171,7 +178,11 @@ class Scheduler:
                         blocks.cache_blocks(request.req_id, token_ids, known)
                     budget -= 1
                     continue
-            num_tokens = min(request.num_planned_tokens - request.num_computed_tokens, budget)
+            pending = request.num_planned_tokens - request.num_computed_tokens
+            num_tokens = min(pending, budget)
+            if pending > 1:  # prefilling (or recomputing after preemption): a prompt chunk
+                num_tokens = min(num_tokens, prefill_left)
+                prefill_left -= num_tokens
             drafts: list[int] | int = 0
             if request.spec_inflight >= 0:
                 num_tokens = 0  # its token count is unknown until the verify returns
@@ -199,6 +210,7 @@ class Scheduler:
         while (
             self.waiting
             and budget > 0
+            and prefill_left > 0
             and not preempted
             and len(self.running) < self.config.max_num_seqs
         ):
@@ -208,7 +220,7 @@ class Scheduler:
             if hit is None:
                 break  # its prompt's next block is being computed in this step: share it next
             request.num_computed_tokens = hit
-            num_tokens = min(request.num_tokens - hit, budget)
+            num_tokens = min(request.num_tokens - hit, budget, prefill_left)
             new_blocks = None
             if self._fits_above_watermark(request, hit + num_tokens):
                 new_blocks = self._allocate(request, num_tokens)
@@ -230,6 +242,7 @@ class Scheduler:
             self.running.append(request)
             self._emit(request, num_tokens, new_blocks, new_requests, running)
             budget -= num_tokens
+            prefill_left -= num_tokens
 
         self._step_id += 1
         plan = StepPlan(

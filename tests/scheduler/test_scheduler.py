@@ -108,6 +108,39 @@ def test_budget_seats_and_chunked_prefill() -> None:
     assert results[0] == results[1]
 
 
+def test_prefill_chunk_caps_prompt_tokens_and_never_decodes() -> None:
+    """prefill_chunk_tokens caps each step's prompt tokens, new or running; decodes ride on top,
+    so the running requests keep decoding while long prompts trickle in. Same tokens as with no
+    cap."""
+    prompts = {f"d{i}": 3 for i in range(5)} | {"long1": 30, "long2": 21, "late": 9}
+    outputs = []
+    for chunk in (None, 8):
+        for overlap in (False, True):
+            sched = make(max_num_batched_tokens=64, max_num_seqs=8, prefill_chunk_tokens=chunk)
+            worker = FakeWorker()
+            for rid, n in prompts.items():
+                sched.add_request(req(rid, [(5 * i + n) % 90 + 1 for i in range(n)], 12))
+            run = drive(sched, worker, overlap)
+            prompt_tokens: dict[int, int] = {}
+            decodes: dict[int, int] = {}
+            for rid, n_prompt in prompts.items():
+                done = 0
+                for step, n in worker.chunks[rid]:
+                    # A prompt's last token alone is computed as a decode is, and not counted.
+                    in_prompt = min(n, max(0, n_prompt - done)) if n > 1 else 0
+                    prompt_tokens[step] = prompt_tokens.get(step, 0) + in_prompt
+                    decodes[step] = decodes.get(step, 0) + n - in_prompt
+                    done += n
+            if chunk is not None:
+                assert max(prompt_tokens.values()) == chunk
+                # The long prompts took several steps, and the short ones decoded meanwhile.
+                long_steps = [s for s, _ in worker.chunks["long1"]][:4]
+                assert all(decodes[s] >= 4 for s in long_steps[1:])
+            assert_idle(sched, worker)
+            outputs.append(run.outputs)
+    assert all(o == outputs[0] for o in outputs)
+
+
 STOP_CASES = {  # params, max_tokens, forced {output index: token}, max_model_len, reason, n out
     "eos": ({}, 8, {2: EOS}, 2048, FinishReason.STOP, 3),
     "ignore_eos": ({"ignore_eos": True}, 5, {2: EOS}, 2048, FinishReason.LENGTH, 5),
