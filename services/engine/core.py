@@ -43,7 +43,7 @@ class EngineCore:
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
-                prefill_chunk_tokens=config.prefill_chunk_tokens or None,
+                prefill_chunk_tokens=config.prefill_chunk_tokens,
                 max_model_len=self.max_model_len,
             ),
             self.block_manager,

@@ -42,10 +42,10 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     # Prompt-chunk tokens per step (requests computing more than one token, a prompt or a
-    # recompute after preemption); decodes and verifies are not counted. None:
-    # only max_num_batched_tokens caps them. Small chunks let each prompt of a wave start
-    # decoding as soon as its own chunk is done instead of when the wave's is.
-    prefill_chunk_tokens: int | None = None
+    # recompute after preemption); decodes and verifies are not counted. 0: only
+    # max_num_batched_tokens caps them. Small chunks let each prompt of a wave start decoding
+    # as soon as its own chunk is done instead of when the wave's is.
+    prefill_chunk_tokens: int = 0
     max_model_len: int = 2048
     watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
 
@@ -126,8 +126,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         budget = self.config.max_num_batched_tokens
-        chunk = self.config.prefill_chunk_tokens
-        prefill_left = budget if chunk is None else chunk
+        prefill_left = self.config.prefill_chunk_tokens or budget
         self.blocks.begin_step()
         new_requests: list[NewRequestData] = []
         running = RunningRequestData()
@@ -179,14 +178,13 @@ class Scheduler:
                     budget -= 1
                     continue
             pending = request.num_planned_tokens - request.num_computed_tokens
-            num_tokens = min(pending, budget)
-            if pending > 1:  # prefilling (or recomputing after preemption): a prompt chunk
-                num_tokens = min(num_tokens, prefill_left)
-                prefill_left -= num_tokens
+            # Prefilling (or recomputing after preemption): a prompt chunk, under the cap.
+            prompt_chunk = pending > 1
+            num_tokens = min(pending, budget, prefill_left if prompt_chunk else pending)
             drafts: list[int] | int = 0
             if request.spec_inflight >= 0:
                 num_tokens = 0  # its token count is unknown until the verify returns
-            elif speculate and num_tokens == 1 and request.num_output_tokens > 0:
+            elif speculate and num_tokens == 1 and not prompt_chunk and request.num_output_tokens:
                 if request.num_placeholders:
                     num_tokens = 0  # speculate from real tokens once the step in flight returns
                 else:
@@ -206,6 +204,8 @@ class Scheduler:
                 break
             self._emit(request, num_tokens, new_blocks, new_requests, running, drafts)
             budget -= num_tokens
+            if prompt_chunk:
+                prefill_left -= num_tokens
 
         while (
             self.waiting

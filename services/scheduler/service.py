@@ -192,7 +192,7 @@ class SchedulerService:
             SchedulerConfig(
                 max_num_seqs=self.config.max_num_seqs,
                 max_num_batched_tokens=self.config.max_num_batched_tokens,
-                prefill_chunk_tokens=self.config.prefill_chunk_tokens or None,
+                prefill_chunk_tokens=self.config.prefill_chunk_tokens,
                 max_model_len=ready.max_model_len,
             ),
             self.blocks,

@@ -114,7 +114,7 @@ def test_prefill_chunk_caps_prompt_tokens_and_never_decodes() -> None:
     cap."""
     prompts = {f"d{i}": 3 for i in range(5)} | {"long1": 30, "long2": 21, "late": 9}
     outputs = []
-    for chunk in (None, 8):
+    for chunk in (0, 8):  # 0: no cap
         for overlap in (False, True):
             sched = make(max_num_batched_tokens=64, max_num_seqs=8, prefill_chunk_tokens=chunk)
             worker = FakeWorker()
@@ -131,7 +131,7 @@ def test_prefill_chunk_caps_prompt_tokens_and_never_decodes() -> None:
                     prompt_tokens[step] = prompt_tokens.get(step, 0) + in_prompt
                     decodes[step] = decodes.get(step, 0) + n - in_prompt
                     done += n
-            if chunk is not None:
+            if chunk:
                 assert max(prompt_tokens.values()) == chunk
                 # The long prompts took several steps, and the short ones decoded meanwhile.
                 long_steps = [s for s, _ in worker.chunks["long1"]][:4]
