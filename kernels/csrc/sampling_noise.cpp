@@ -4,7 +4,7 @@
 // a function of its key alone: the same for one row or many, any thread count, any chunking.
 // torch.rand + log on the CPU draws one uniform at a time (about 9 ms of a sampled 32-row
 // decode step at 49,152 tokens of vocabulary); this hashes 8 counters per instruction and takes
-// the log in 16 lanes. kernels/cpu_ops.py keeps a torch version of the same bits.
+// the log in 16 lanes. services/worker/sampling_noise.py keeps a torch version of the same bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -21,13 +21,8 @@ typedef uint32_t u16x32 __attribute__((vector_size(64)));
 
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 
-inline uint64_t mix64(uint64_t z) {  // splitmix64's output function
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-inline u8x64 mix64(u8x64 z) {
+template <typename U>  // uint64_t, or 8 of them in a vector
+inline U mix64(U z) {  // splitmix64's output function
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
