@@ -23,6 +23,7 @@ from services.worker.eagle.config import EagleConfig
 from services.worker.eagle.head import load_head
 from services.worker.kv_sizing import kv_block_bytes
 from services.worker.models.layers import CausalLM, linear, pack_weight
+from services.worker.sampler import argmax_rows
 from services.worker.sampling_noise import MASK63, SEED_MIX
 from services.worker.step_inputs import Chunk, build_step_inputs, max_decode_chunk
 
@@ -69,6 +70,17 @@ class EagleProposer:
         full = logits.new_full((len(logits), self.target.cfg.vocab_size), float("-inf"))
         full[:, self.head.d2t] = logits
         return full
+
+    def greedy_drafts(self, streams: torch.Tensor) -> torch.Tensor:
+        """Target token ids of the head's argmax rows. With a reduced vocabulary the argmax runs
+        over the reduced logits alone (soft-capping is monotonic, so it is skipped): no
+        full-vocabulary row, no sampling batch. Only ties can pick differently from the full
+        path's, and verification keeps either choice exact."""
+        normed = self.head.final_norm(streams)
+        if self.draft_lm_head is None:
+            return argmax_rows(self.target.compute_logits(normed))
+        assert self.head.d2t is not None
+        return self.head.d2t[argmax_rows(linear(normed, self.draft_lm_head))]
 
     # -- the same surface as Drafter -----------------------------------------------------------
 
@@ -138,6 +150,7 @@ class EagleProposer:
         drafts: list[list[int]] = [[] for _ in items]
         dists: list[list[torch.Tensor]] = [[] for _ in items]
         params = [_proposal_params(item[3]) for item in items]
+        all_greedy = all(p.greedy for p in params)
         streams: torch.Tensor | None = None  # per active row: the head's last output
         row_of: dict[int, int] = {}  # item -> its row in `streams`
         for step in range(max(item[4] for item in items)):
@@ -159,11 +172,14 @@ class EagleProposer:
             stream = self.head(embeds, features, inputs.positions, self.kv_caches, inputs.meta)
             streams = stream[inputs.sample_rows]
             row_of = {i: row for row, i in enumerate(active)}
-            logits = self.draft_logits(streams)
-            rows = [(params[i], items[i][3].seed, items[i][5] + step) for i in active]
-            chosen, probs = choose_drafts(logits, rows, self.generator)
-            for row, i in enumerate(active):
-                drafts[i].append(int(chosen[row]))
+            if all_greedy:
+                chosen, probs = self.greedy_drafts(streams), None
+            else:
+                logits = self.draft_logits(streams)
+                rows = [(params[i], items[i][3].seed, items[i][5] + step) for i in active]
+                chosen, probs = choose_drafts(logits, rows, self.generator)
+            for row, (i, token) in enumerate(zip(active, chosen.tolist())):
+                drafts[i].append(token)
                 if not params[i].greedy:
                     assert probs is not None
                     dists[i].append(probs[row])

@@ -69,17 +69,22 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_BATCH_HINT)
 
 
-def pack_linear_weights(model: nn.Module) -> None:
-    """Re-lay the 2-D linear weights (each module's LINEAR_WEIGHTS) out for `linear`'s CPU
-    kernels. On CPU in float32 oneDNN's run 2-3x faster than F.linear's (measured on this
-    project's 2-core box: 359 vs 118 GFLOPS at 64 rows), and the panel kernel faster still on
-    AVX2 and AVX-512 boxes at decode's row counts. The result equals F.linear's to float32
-    rounding."""
-    for module in model.modules():
+def pack_module_linears(root: nn.Module) -> None:
+    """Re-lay the 2-D linear weights (each module's LINEAR_WEIGHTS) under `root` out for
+    `linear`'s CPU kernels. On CPU in float32 oneDNN's run 2-3x faster than F.linear's
+    (measured on this project's 2-core box: 359 vs 118 GFLOPS at 64 rows), and the panel kernel
+    faster still on AVX2 and AVX-512 boxes at decode's row counts. The result equals F.linear's
+    to float32 rounding."""
+    for module in root.modules():
         for name in getattr(module, "LINEAR_WEIGHTS", ()):
             weight = getattr(module, name)
             del module._parameters[name]
             setattr(module, name, pack_weight(weight))
+
+
+def pack_linear_weights(model: CausalLM) -> None:
+    """A causal LM's linear weights and its LM head (tied or not), packed for `linear`."""
+    pack_module_linears(model)
     model.packed_lm_head = pack_weight(model.lm_head_weight())
 
 
