@@ -89,7 +89,7 @@ def copy_heavy_prompts(llm: LLM, max_tokens: int) -> list[list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, help="drafts per verify (default: the engine's per method)")
     ap.add_argument("--model", default=str(DEFAULT_MODEL), help="target (name or folder)")
     ap.add_argument("--eagle", help="an EAGLE head folder for --model: adds the eagle arm")
     ap.add_argument("--no-draft", action="store_true", help="skip the bundled draft's arm")
@@ -118,7 +118,9 @@ def main() -> None:
     }
     copy_prompts = copy_heavy_prompts(engines["none"], a.max_tokens)
     draft = str(default_draft(resolve_model(a.model)))  # what `--speculative draft` loads
-    results: dict = {"model": a.model, "draft": draft, "k": a.k, "dtype": a.dtype}
+    k_by_mode = {m: llm.engine.config.num_speculative_tokens for m, llm in engines.items()}
+    k_by_mode.pop("none")
+    results: dict = {"model": a.model, "draft": draft, "k": k_by_mode, "dtype": a.dtype}
     if a.eagle:
         results["eagle"] = a.eagle
     workloads = [("shakespeare", PROMPTS), ("copy-heavy", copy_prompts)]

@@ -11,6 +11,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO_ROOT / "models" / "stoker-tiny"
 DEFAULT_DRAFT_MODEL = BUNDLED_DIR / DEFAULT_DRAFT  # --speculative draft on any other model
 CPU_PREFILL_CHUNK_TOKENS = 512
+NGRAM_SPECULATIVE_TOKENS = 8
 
 
 @dataclasses.dataclass
@@ -48,7 +49,11 @@ class EngineConfig:
     # scheduler) or "draft" (a small model in the worker; default: the bundled draft).
     speculative: str | None = None
     speculative_model: str | None = None
-    num_speculative_tokens: int = 4
+    # Drafts per verify, the most adaptive k offers. None: 8 for n-gram, whose drafts are free
+    # and, once a span is being copied, mostly right (SmolLM2 copy-heavy text at batch 1: 3.53x
+    # against 2.47x with 4; docs/benchmarks.md, fourteenth session), else 4, since every draft
+    # of a draft model or head costs a forward of its own.
+    num_speculative_tokens: int | None = None
     speculative_adaptive: bool = True
     # Adaptive speculation turns off for a step with more decoding requests than this: past it,
     # a verify step costs more than the tokens it saves (measured: docs/benchmarks.md).
@@ -93,6 +98,9 @@ class EngineConfig:
             self.speculative = "draft"
         if self.speculative == "draft" and not self.speculative_model:
             self.speculative_model = str(default_draft(self.model))
+        if self.num_speculative_tokens is None:
+            ngram = self.speculative == "ngram"
+            self.num_speculative_tokens = NGRAM_SPECULATIVE_TOKENS if ngram else 4
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         tp, nodes = self.tensor_parallel_size, self.nnodes

@@ -59,7 +59,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a draft model folder, or an EAGLE head's (train-draft --method eagle); implies draft",
     )
-    g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens)
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="drafts per verify, adaptive k's ceiling (default: 8 for ngram, else 4)",
+    )
     g.add_argument(
         "--speculative-adaptive",
         action=argparse.BooleanOptionalAction,

@@ -73,6 +73,7 @@ class SpecPolicy:
     def from_config(cls, config: EngineConfig) -> SpecPolicy | None:
         if config.speculative is None or config.null_model:
             return None
+        assert config.num_speculative_tokens is not None  # resolved per method by the config
         return cls(
             config.speculative,
             config.num_speculative_tokens,

@@ -4,6 +4,7 @@ model's draft for anything else."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from common import model_registry
 from common.config import DEFAULT_DRAFT_MODEL, EngineConfig
 from common.model_registry import BUNDLED_DIR, FETCHED, default_draft
+from services.engine_args import add_engine_args, engine_config_from_args
 
 HEAD = BUNDLED_DIR / "smollm2-eagle"
 
@@ -32,3 +34,17 @@ def test_smollm2_gets_its_eagle_head(tmp_path: Path, monkeypatch: pytest.MonkeyP
     # A head missing from the checkout falls back rather than naming a folder that is not there.
     monkeypatch.setattr(model_registry, "BUNDLED_DIR", tmp_path / "empty")
     assert default_draft(folder) == tmp_path / "empty" / "stoker-tiny-draft"
+
+
+def test_default_k_follows_the_method() -> None:
+    """n-gram drafts cost nothing to propose, so it offers 8 per verify; a draft model or head
+    pays a forward per draft and offers 4. An explicit k wins, and the CLI passes None through."""
+    tiny = str(BUNDLED_DIR / "stoker-tiny")
+    assert EngineConfig(model=tiny, speculative="ngram").num_speculative_tokens == 8
+    assert EngineConfig(model=tiny, speculative="draft").num_speculative_tokens == 4
+    explicit = EngineConfig(model=tiny, speculative="ngram", num_speculative_tokens=3)
+    assert explicit.num_speculative_tokens == 3
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--model", tiny, "--speculative", "ngram"])
+    assert engine_config_from_args(args).num_speculative_tokens == 8
