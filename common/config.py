@@ -12,6 +12,7 @@ DEFAULT_MODEL = REPO_ROOT / "models" / "stoker-tiny"
 DEFAULT_DRAFT_MODEL = BUNDLED_DIR / DEFAULT_DRAFT  # --speculative draft on any other model
 CPU_PREFILL_CHUNK_TOKENS = 512
 NGRAM_SPECULATIVE_TOKENS = 8
+CPU_SPEC_ROW_COST = 0.3
 
 
 @dataclasses.dataclass
@@ -58,6 +59,13 @@ class EngineConfig:
     # Adaptive speculation turns off for a step with more decoding requests than this: past it,
     # a verify step costs more than the tokens it saves (measured: docs/benchmarks.md).
     speculative_max_batch: int = 8
+    # Adaptive speculation gives a request no drafts in a step with B decoding requests while it
+    # averages fewer than row_cost x (B - 1) accepted drafts per verify (services/scheduler/
+    # speculation.py). None: 0.3 on CPU, where a batched forward's cost grows with its rows
+    # (SmolLM2 float32, 2 cores: an EAGLE head at 0.54 accepted drafts per verify paid 1.22x
+    # at batch 1 and 0.78x at 4; n-gram on chat at about 2, 0.82-0.90x at 8), and 0 on CUDA,
+    # where it was not measured.
+    speculative_row_cost: float | None = None
     # KV-cache events for cache-aware routers (docs/kv-events.md): vLLM's KVEventsConfig as a
     # JSON object, read by the scheduler; None publishes nothing.
     kv_events_config: str | None = None
@@ -101,6 +109,10 @@ class EngineConfig:
         if self.num_speculative_tokens is None:
             ngram = self.speculative == "ngram"
             self.num_speculative_tokens = NGRAM_SPECULATIVE_TOKENS if ngram else 4
+        if self.speculative_row_cost is None:
+            self.speculative_row_cost = CPU_SPEC_ROW_COST if self.device == "cpu" else 0.0
+        if self.speculative_row_cost < 0:
+            raise ValueError("speculative_row_cost must be >= 0")
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         tp, nodes = self.tensor_parallel_size, self.nnodes

@@ -207,6 +207,7 @@ class SpecStats(msgspec.Struct, array_like=True, gc=False):
     accepted_tokens: int = 0  # of those, accepted
     accepted_per_position: list[int] = []  # [j]: drafts whose position j was accepted
     disabled_steps: int = 0  # steps where adaptive speculation switched off for batch size
+    paused_drafts: int = 0  # request-steps that sat out drafts for low acceptance (adaptive)
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, tag="sched_stats"):

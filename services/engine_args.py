@@ -73,6 +73,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--speculative-max-batch", type=int, default=d.speculative_max_batch)
     g.add_argument(
+        "--speculative-row-cost",
+        type=float,
+        default=None,
+        help="adaptive: a request drafts only while it averages row_cost x (batch - 1) accepted"
+        " drafts per verify (default: 0.3 on CPU, 0 on CUDA)",
+    )
+    g.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,

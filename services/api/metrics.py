@@ -113,6 +113,8 @@ def _spec_metrics(spec: SpecStats | None) -> Iterator[Metric]:
         "num_accepted_tokens": ("Draft tokens accepted.", spec.accepted_tokens),
         "disabled_steps": ("Steps where adaptive speculation was off (batch too large).",
                            spec.disabled_steps),
+        "paused_drafts": ("Request-steps that sat out drafts for low acceptance (adaptive).",
+                          spec.paused_drafts),
     }  # fmt: skip
     for name, (doc, value) in counters.items():
         yield CounterMetricFamily(f"stoker:spec_decode_{name}", doc, value=float(value))

@@ -40,6 +40,7 @@ class Request:
         "first_scheduled_time",
         "spec_inflight",
         "spec_ema",
+        "spec_paused",
         "ngram_index",
         "num_draft_tokens",
         "num_accepted_tokens",
@@ -75,6 +76,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.spec_inflight = -1  # drafts in the verify step in flight; -1: no verify in flight
         self.spec_ema: float | None = None  # accepted drafts per verify (EMA); None: no verify yet
+        self.spec_paused = 0  # steps in a row planned without drafts for low acceptance
         self.ngram_index = None
         self.num_draft_tokens = 0  # speculative tokens proposed for it, over all its verifies
         self.num_accepted_tokens = 0  # of those, accepted

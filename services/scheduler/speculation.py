@@ -5,6 +5,12 @@ Adaptive policy (docs/speculation.md):
 - k per request follows an exponential moving average of its accepted drafts per verify:
   k = clamp(round(ema) + 1, 1, K). A request whose drafts keep failing drops to k = 1; a verify
   that accepts every draft lifts the average to k, so the next one gets k + 1, back up to K.
+- A request whose average is below `row_cost x (decoding requests - 1)` sits out the step's
+  drafts: every draft row adds to a batched forward's cost, the more so the larger the batch,
+  and a request accepting little pays for none of its rows. Every PROBE_EVERY-th step it sits
+  out, it verifies one draft again, so a request that starts copying (or a head that starts
+  agreeing) gets drafts back. Alone in the batch it always drafts: there, on any device, a few
+  extra rows cost next to nothing.
 - A step with more decoding requests than `max_batch` does not speculate: at that size the
   forward is no longer dominated by fixed per-step cost, so verifying k extra positions per
   request costs about as much as the tokens it would save.
@@ -17,6 +23,7 @@ from common.messages import SpecStats
 from services.scheduler.request import Request
 
 EMA_WEIGHT = 0.5  # recent verifies dominate: acceptance shifts quickly within one answer
+PROBE_EVERY = 8  # a request sitting out drafts verifies one again after this many steps
 
 
 class NgramIndex:
@@ -59,6 +66,7 @@ class SpecPolicy:
         num_tokens: int,
         adaptive: bool = True,
         max_batch: int = 8,
+        row_cost: float = 0.0,
         ngram_min: int = 2,
         ngram_max: int = 4,
     ) -> None:
@@ -66,6 +74,8 @@ class SpecPolicy:
         self.max_k = num_tokens
         self.adaptive = adaptive
         self.max_batch = max_batch
+        self.row_cost = row_cost
+        self.min_accept = 0.0  # this step's: the accepted drafts per verify a request must average
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.stats = SpecStats(accepted_per_position=[0] * num_tokens)
 
@@ -79,18 +89,30 @@ class SpecPolicy:
             config.num_speculative_tokens,
             adaptive=config.speculative_adaptive,
             max_batch=config.speculative_max_batch,
+            row_cost=config.speculative_row_cost or 0.0,
         )
 
     def enabled_for_step(self, num_decoding: int) -> bool:
         if self.adaptive and num_decoding > self.max_batch:
             self.stats.disabled_steps += 1
             return False
+        self.min_accept = self.row_cost * max(0, num_decoding - 1)
         return True
 
     def num_drafts(self, request: Request) -> int:
-        if not self.adaptive or request.spec_ema is None:
+        """Drafts for `request` this step (0: it sits the step out)."""
+        ema = request.spec_ema
+        if not self.adaptive or ema is None:
             return self.max_k
-        return max(1, min(self.max_k, int(request.spec_ema + 0.5) + 1))
+        if ema < self.min_accept:
+            request.spec_paused += 1
+            if request.spec_paused < PROBE_EVERY:
+                self.stats.paused_drafts += 1
+                return 0
+            request.spec_paused = 0
+            return 1  # the probe
+        request.spec_paused = 0
+        return max(1, min(self.max_k, int(ema + 0.5) + 1))
 
     def propose(self, request: Request, k: int) -> list[int] | int:
         """n-gram: the draft ids (possibly fewer than k, or none). draft model: k."""

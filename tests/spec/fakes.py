@@ -63,11 +63,12 @@ def make(
     adaptive: bool = True,
     max_batch: int = 64,
     reqs: Sequence[Request] = (),
+    row_cost: float = 0.0,
     **cfg: int,
 ) -> Scheduler:
     spec = None
     if method is not None:
-        spec = SpecPolicy(method, num_tokens, adaptive=adaptive, max_batch=max_batch)
+        spec = SpecPolicy(method, num_tokens, adaptive, max_batch, row_cost)
     return fake_worker.make(num_blocks, cache, reqs, spec, **cfg)
 
 

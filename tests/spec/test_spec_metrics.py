@@ -124,10 +124,11 @@ def _metric(text: str, name: str, labels: str = "") -> float:
 def test_prometheus_exposition_matches_stats() -> None:
     """The /metrics counters are the scheduler's SpecStats; the mean acceptance length is the
     number of tokens a verify produced on average (accepted + 1)."""
-    sched = make("ngram", reqs=workload(2), **CFG)
+    sched = make("ngram", reqs=workload(2), row_cost=1.0, **CFG)  # some requests sit out
     run = drive(sched, SpecFakeWorker("script", accept=scripted(2)), overlap=False)
     assert sched.spec is not None
     stats = sched.spec.stats
+    assert stats.paused_drafts > 0
     snapshot = SchedulerStats(
         worker_ready=True,
         num_running=0,
@@ -147,6 +148,7 @@ def test_prometheus_exposition_matches_stats() -> None:
     assert _metric(text, "stoker:spec_decode_num_draft_tokens_total") == stats.draft_tokens
     assert _metric(text, "stoker:spec_decode_num_accepted_tokens_total") == stats.accepted_tokens
     assert _metric(text, "stoker:spec_decode_disabled_steps_total") == stats.disabled_steps
+    assert _metric(text, "stoker:spec_decode_paused_drafts_total") == stats.paused_drafts
     for j, count in enumerate(stats.accepted_per_position):
         name = "stoker:spec_decode_num_accepted_tokens_per_pos_total"
         assert _metric(text, name, f'{{position="{j}"}}') == count
@@ -217,6 +219,9 @@ def run_engine(models: SpecModels, method: str, **options: Any) -> tuple[LLM, li
     spec: dict[str, Any] = {"speculative": "ngram"}
     if method != "ngram":
         spec = {"speculative": "draft", "speculative_model": str(models.draft(method))}
+    # Row cost 0: no request sits drafts out, so every kind of verify is counted here
+    # (test_spec_scheduler.py covers the pausing).
+    options = {"speculative_row_cost": 0.0, **options}
     llm = LLM(str(models.target), num_kv_blocks=256, **spec, **options)
     log = observe(llm)
     disabled = count_disabled(llm)

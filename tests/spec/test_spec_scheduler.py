@@ -15,6 +15,7 @@ import pytest
 from common.messages import StepPlan
 from services.scheduler.request import FinishReason
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.speculation import PROBE_EVERY
 from tests.fake_worker import assert_idle
 from tests.spec.fakes import (
     Accept,
@@ -266,3 +267,52 @@ def test_prefilling_requests_do_not_switch_speculation_off() -> None:
         overlapping.append(dict(zip(plan.running.req_ids, num_spec)).get("dec", 0))
         sched.update(plan, worker.execute(plan))
     assert all(k > 0 for k in overlapping), overlapping
+
+
+def _batch_of_three(accept: Accept, row_cost: float) -> tuple[Scheduler, Run]:
+    requests = [req(r, [3 + i, 1, 4, 1, 5, 9, 2, 6] * 2, 60) for i, r in enumerate("xyz")]
+    sched = make("draft", reqs=requests, row_cost=row_cost)
+    run = drive(sched, SpecFakeWorker("script", accept=accept), overlap=False)
+    return sched, run
+
+
+def _draft_steps(run: Run, rid: str) -> list[int]:
+    """Indices of the plans that gave `rid` drafts."""
+    steps = []
+    for i, plan in enumerate(run.plans):
+        num_spec = plan.running.num_spec_tokens or [0] * len(plan.running.req_ids)
+        if dict(zip(plan.running.req_ids, num_spec)).get(rid, 0):
+            steps.append(i)
+    return steps
+
+
+def test_low_acceptance_sits_out_drafts_in_a_batch_and_probes() -> None:
+    """Three decoding requests, row cost 0.3 (min 0.6 accepted drafts per verify), nothing ever
+    accepted: k falls 4, 3, 2 as the average halves (2.0, 1.0, 0.5), then each request sits
+    out and verifies a single probe draft every PROBE_EVERY-th step; the output is unchanged."""
+    sched, run = _batch_of_three(lambda rid, k, i: 0, row_cost=0.3)
+    assert planned_ks(run, "x")[:3] == [4, 3, 2]
+    probes = planned_ks(run, "x")[3:]
+    assert probes and set(probes) == {1}
+    steps = _draft_steps(run, "x")[3:]
+    assert {b - a for a, b in zip(steps, steps[1:])} == {PROBE_EVERY}
+    stats = spec_stats(sched)
+    assert stats.paused_drafts > 0
+    _, plain = _batch_of_three(lambda rid, k, i: 0, row_cost=0.0)
+    assert run.outputs == plain.outputs
+    assert spec_stats(_batch_of_three(lambda rid, k, i: 0, row_cost=0.0)[0]).paused_drafts == 0
+
+
+def test_good_acceptance_keeps_drafting_in_a_batch() -> None:
+    """Every draft accepted: the average stays at k, far above 0.6, so no request sits out."""
+    sched, run = _batch_of_three(lambda rid, k, i: k, row_cost=0.3)
+    assert spec_stats(sched).paused_drafts == 0
+    assert set(planned_ks(run, "x")[:-3]) == {4}
+
+
+def test_alone_a_request_never_sits_out() -> None:
+    """One decoding request: min accepted drafts is row_cost x 0, whatever the row cost."""
+    request = req("r", [3, 1, 4, 1, 5, 9, 2, 6] * 2, 40)
+    sched = make("draft", reqs=[request], row_cost=100.0)
+    run = drive(sched, SpecFakeWorker("script", accept=lambda rid, k, i: 0), overlap=False)
+    assert len(planned_ks(run, "r")) >= 20 and spec_stats(sched).paused_drafts == 0
