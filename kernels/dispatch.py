@@ -83,9 +83,10 @@ def force_triton() -> contextlib.AbstractContextManager[None]:
 def _use_triton(x: torch.Tensor, *same_dtype: torch.Tensor) -> bool:
     if _forced is not None:
         return _forced == "triton"
-    if os.environ.get(FORCE_TORCH_ENV, "0") not in ("", "0"):
-        return False
+    # Device first: on CPU this is the whole decision, so the hot path skips the environment.
     if not x.is_cuda or x.dtype not in _TRITON_DTYPES:
+        return False
+    if os.environ.get(FORCE_TORCH_ENV, "0") not in ("", "0"):
         return False
     if any(t.dtype != x.dtype for t in same_dtype):
         return False
