@@ -41,7 +41,7 @@ PROMPTS = [
 MODES = {
     "none": {},
     "ngram": {"speculative": "ngram"},
-    "draft": {"speculative": "draft"},
+    "draft": {"speculative": "draft", "speculative_ngram_first": False},  # the draft alone
 }
 # Not in any training prompt file of this repo: held out for heads trained by train-draft.
 CHAT_PROMPTS = [
@@ -104,8 +104,9 @@ def main() -> None:
     a = ap.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     modes = {m: o for m, o in MODES.items() if not (a.no_draft and m == "draft")}
-    if a.eagle:
-        modes["eagle"] = {"speculative_model": a.eagle}
+    if a.eagle:  # the head alone, and as served by default: n-gram matches first
+        modes["eagle"] = {"speculative_model": a.eagle, "speculative_ngram_first": False}
+        modes["eagle+ngram"] = {"speculative_model": a.eagle}
     engines = {
         mode: LLM(
             a.model,
@@ -149,7 +150,7 @@ def main() -> None:
                     row["identical_to_no_spec"] = ids == base_ids
                     row["mean_acceptance_length"] = round(1 + accepted / max(drafts, 1), 2)
                 results[f"{workload}/batch{batch}/{mode}"] = row
-                print(f"{workload:12s} batch {batch}  {mode:6s} {row}", flush=True)
+                print(f"{workload:12s} batch {batch}  {mode:11s} {row}", flush=True)
 
     # Where does speculation stop paying? Draft mode with adaptivity off, by batch size.
     swept = "eagle" if "eagle" in engines else "draft" if "draft" in engines else None

@@ -66,6 +66,11 @@ class EngineConfig:
     # at batch 1 and 0.78x at 4; n-gram on chat at about 2, 0.82-0.90x at 8), and 0 on CUDA,
     # where it was not measured.
     speculative_row_cost: float | None = None
+    # With a draft model or head: verify a prompt-lookup match's ids when there is one, and ask
+    # the model for drafts only when there is none. Free to propose, and on SmolLM2's held-out
+    # chat at batch 1 it took the bundled head from 1.18x / 1.38x to 1.56x / 1.43x (n-gram
+    # alone 1.32x / 1.30x; docs/benchmarks.md, fourteenth session).
+    speculative_ngram_first: bool = True
     # KV-cache events for cache-aware routers (docs/kv-events.md): vLLM's KVEventsConfig as a
     # JSON object, read by the scheduler; None publishes nothing.
     kv_events_config: str | None = None

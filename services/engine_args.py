@@ -73,6 +73,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--speculative-max-batch", type=int, default=d.speculative_max_batch)
     g.add_argument(
+        "--speculative-ngram-first",
+        action=argparse.BooleanOptionalAction,
+        default=d.speculative_ngram_first,
+        help="with a draft model or head: use an n-gram match's drafts when there is one",
+    )
+    g.add_argument(
         "--speculative-row-cost",
         type=float,
         default=None,

@@ -67,6 +67,7 @@ class SpecPolicy:
         adaptive: bool = True,
         max_batch: int = 8,
         row_cost: float = 0.0,
+        ngram_first: bool = False,
         ngram_min: int = 2,
         ngram_max: int = 4,
     ) -> None:
@@ -75,6 +76,7 @@ class SpecPolicy:
         self.adaptive = adaptive
         self.max_batch = max_batch
         self.row_cost = row_cost
+        self.ngram_first = ngram_first  # draft method: an n-gram match's ids before the model's
         self.min_accept = 0.0  # this step's: the accepted drafts per verify a request must average
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.stats = SpecStats(accepted_per_position=[0] * num_tokens)
@@ -90,6 +92,7 @@ class SpecPolicy:
             adaptive=config.speculative_adaptive,
             max_batch=config.speculative_max_batch,
             row_cost=config.speculative_row_cost or 0.0,
+            ngram_first=config.speculative_ngram_first,
         )
 
     def enabled_for_step(self, num_decoding: int) -> bool:
@@ -115,12 +118,15 @@ class SpecPolicy:
         return max(1, min(self.max_k, int(ema + 0.5) + 1))
 
     def propose(self, request: Request, k: int) -> list[int] | int:
-        """n-gram: the draft ids (possibly fewer than k, or none). draft model: k."""
-        if self.method != "ngram":
+        """n-gram: the draft ids (possibly fewer than k, or none). draft model: k, or with
+        ngram_first the ids of an n-gram match when there is one (free to propose, and where
+        the output copies its context more often right than a model's drafts)."""
+        if self.method != "ngram" and not self.ngram_first:
             return k
         if request.ngram_index is None:
             request.ngram_index = NgramIndex(self.ngram_min, self.ngram_max)
-        return request.ngram_index.propose(request.token_ids, k)
+        ids = request.ngram_index.propose(request.token_ids, k)
+        return ids if ids or self.method == "ngram" else k
 
     def on_result(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         s = self.stats

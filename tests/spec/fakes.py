@@ -21,6 +21,7 @@ import dataclasses
 import random
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from common.messages import SpecStats, StepPlan, StepResult, num_ids
 from services.scheduler.request import FinishReason, Request, RequestStatus
@@ -348,3 +349,18 @@ def workload(seed: int, n: int = 12) -> list[Request]:
             prompt[rng.randrange(len(prompt))] = STOP  # the copying oracle may emit it
         requests.append(req(f"q{i}", prompt, rng.randrange(1, 30), **params))
     return requests
+
+
+def count_proposal_kinds(llm: Any) -> dict[str, int]:
+    """Wrap the engine's SpecPolicy.propose: counts of n-gram id lists and model draft counts."""
+    spec = llm.engine.scheduler.spec
+    counts = {"ngram": 0, "model": 0}
+    inner = spec.propose
+
+    def propose(request: Any, k: int) -> Any:
+        out = inner(request, k)
+        counts["ngram" if isinstance(out, list) and out else "model"] += 1
+        return out
+
+    spec.propose = propose
+    return counts

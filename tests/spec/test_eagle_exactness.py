@@ -13,7 +13,7 @@ import pytest
 
 from services.engine import LLM, SamplingParams
 from tests.spec.eagle_heads import head_factory, oracle_pair
-from tests.spec.fakes import spec_stats
+from tests.spec.fakes import count_proposal_kinds, spec_stats
 from tests.spec.spec_models import SpecModels
 from tests.spec.test_spec_exactness import SCENARIOS, generate, reference
 from tests.spec.test_spec_sampling_e2e import assert_close, sampled_joint, target_joint
@@ -77,6 +77,34 @@ def test_greedy_with_eagle_head_is_exact(
     assert got.llm.engine.runner.eagle is not None
 
 
+@pytest.mark.parametrize("arch, name", [("llama", "mixed"), ("qwen3", "prefix")])
+def test_ngram_first_with_an_eagle_head_is_exact(
+    spec_models: Callable[[str], SpecModels],
+    eagle_head: Callable[[str, str], Path],
+    arch: str,
+    name: str,
+) -> None:
+    """n-gram ids first, the head's drafts otherwise: the head reads the target's features of
+    positions an n-gram verify computed, and greedy output is the target's alone."""
+    models = spec_models(arch)
+    prompts, params, ref = reference(arch, name, models)
+    kinds: list[dict[str, int]] = []
+    got = generate(
+        models.target,
+        prompts,
+        params,
+        before=lambda llm: kinds.append(count_proposal_kinds(llm)),
+        speculative_model=str(eagle_head(arch, "trained")),
+        speculative_ngram_first=True,
+        speculative_row_cost=0.0,
+        **SCENARIOS[name].options,
+    )
+    assert got.outputs == ref.outputs
+    assert got.finish == ref.finish
+    assert kinds[0]["ngram"] > 0 and kinds[0]["model"] > 0, kinds
+    assert spec_stats(got.llm.engine.scheduler).accepted_tokens > 0
+
+
 @pytest.fixture(scope="session")
 def oracle(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, Path]]:
     """(noise, draft_vocab=0) -> (a 1-layer target, a head that is that target with noise on
@@ -104,7 +132,8 @@ def test_greedy_with_an_oracle_head_is_exact(
     target, head = oracle(noise, draft_vocab)
     models = SpecModels(target, target, target)
     prompts, params, ref = reference(f"oracle-{noise}", name, models)
-    got = generate(target, prompts, params, speculative_model=str(head), **SCENARIOS[name].options)
+    options = dict(SCENARIOS[name].options, speculative_ngram_first=False)  # the head's drafts
+    got = generate(target, prompts, params, speculative_model=str(head), **options)
     assert got.outputs == ref.outputs
     stats = spec_stats(got.llm.engine.scheduler)
     assert stats.drafts > 0
@@ -157,7 +186,13 @@ def test_graph_path_decode_steps_between_verifies(
     else:
         target, head = spec_models("llama").target, eagle_head("llama", "trained")
     prompts, params, ref = reference(f"graphs-{kind}", "mixed", SpecModels(target, target, target))
-    llm = LLM(str(target), num_kv_blocks=256, speculative_model=str(head), speculative_max_batch=4)
+    llm = LLM(
+        str(target),
+        num_kv_blocks=256,
+        speculative_model=str(head),
+        speculative_max_batch=4,
+        speculative_ngram_first=False,  # the head's drafts only
+    )
     llm.engine.runner.use_decode_graphs(capture=False)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == ref.outputs

@@ -25,7 +25,7 @@ from common.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from common.model_config import ModelLoadError
 from services.engine import LLM, SamplingParams
 from tests.factory import make_model
-from tests.spec.fakes import spec_stats
+from tests.spec.fakes import count_proposal_kinds, spec_stats
 from tests.spec.spec_models import SpecModels
 
 pytestmark = pytest.mark.timeout(300)  # a broken verify can loop forever
@@ -95,8 +95,17 @@ class Outcome:
     llm: LLM
 
 
-def generate(path: Path, prompts: list[list[int]], params, **options: Any) -> Outcome:
+def generate(
+    path: Path,
+    prompts: list[list[int]],
+    params,
+    before: Callable[[LLM], object] | None = None,
+    **options: Any,
+) -> Outcome:
+    """`before(llm)` runs once the engine is built, before generating (to instrument it)."""
     llm = LLM(str(path), **options)
+    if before is not None:
+        before(llm)
     outs = llm.generate(prompts, params)
     bm = llm.engine.block_manager
     bm.check_invariants()
@@ -131,6 +140,9 @@ def spec_options(method: str, models: SpecModels, adaptive: bool) -> dict[str, A
     else:
         options["speculative"] = "draft"
         options["speculative_model"] = str(models.draft(method))
+        # The draft's own proposals only (a perfect one accepts all); n-gram first has its own
+        # test below.
+        options["speculative_ngram_first"] = False
     return options
 
 
@@ -201,6 +213,33 @@ def test_greedy_speculation_is_exact(
         assert scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     if name == "prefix":
         assert scheduler.prefix_hits > 0, "shared prefixes should hit the cache"
+
+
+@pytest.mark.parametrize("arch, name", [("llama", "mixed"), ("qwen3", "preempt")])
+def test_ngram_first_with_a_draft_model_is_exact(
+    spec_models: Callable[[str], SpecModels], arch: str, name: str
+) -> None:
+    """--speculative-ngram-first: verifies of n-gram ids and of the draft model's drafts mix
+    within one request (the draft catches up on what the n-gram verifies accepted), and the
+    output is still the target's alone."""
+    models = spec_models(arch)
+    prompts, params, ref = reference(arch, name, models)
+    options = dict(SCENARIOS[name].options, **spec_options("noisy", models, True))
+    options["speculative_ngram_first"] = True
+    kinds: list[dict[str, int]] = []
+    got = generate(
+        models.target,
+        prompts,
+        params,
+        before=lambda llm: kinds.append(count_proposal_kinds(llm)),
+        speculative_row_cost=0.0,
+        **options,
+    )
+    assert got.outputs == ref.outputs
+    assert got.finish == ref.finish
+    assert kinds[0]["ngram"] > 0 and kinds[0]["model"] > 0, kinds
+    stats = spec_stats(got.llm.engine.scheduler)
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
 
 
 @pytest.mark.skipif(

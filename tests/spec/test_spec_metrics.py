@@ -220,8 +220,8 @@ def run_engine(models: SpecModels, method: str, **options: Any) -> tuple[LLM, li
     if method != "ngram":
         spec = {"speculative": "draft", "speculative_model": str(models.draft(method))}
     # Row cost 0: no request sits drafts out, so every kind of verify is counted here
-    # (test_spec_scheduler.py covers the pausing).
-    options = {"speculative_row_cost": 0.0, **options}
+    # (test_spec_scheduler.py covers the pausing); the draft's own proposals only.
+    options = {"speculative_row_cost": 0.0, "speculative_ngram_first": False, **options}
     llm = LLM(str(models.target), num_kv_blocks=256, **spec, **options)
     log = observe(llm)
     disabled = count_disabled(llm)
