@@ -13,9 +13,9 @@ import pytest
 
 from services.engine import LLM, SamplingParams
 from tests.spec.eagle_heads import head_factory, oracle_pair
-from tests.spec.fakes import count_proposal_kinds, spec_stats
+from tests.spec.fakes import spec_stats
 from tests.spec.spec_models import SpecModels
-from tests.spec.test_spec_exactness import SCENARIOS, generate, reference
+from tests.spec.test_spec_exactness import SCENARIOS, generate, generate_ngram_first, reference
 from tests.spec.test_spec_sampling_e2e import assert_close, sampled_joint, target_joint
 
 pytestmark = pytest.mark.timeout(300)
@@ -86,22 +86,7 @@ def test_ngram_first_with_an_eagle_head_is_exact(
 ) -> None:
     """n-gram ids first, the head's drafts otherwise: the head reads the target's features of
     positions an n-gram verify computed, and greedy output is the target's alone."""
-    models = spec_models(arch)
-    prompts, params, ref = reference(arch, name, models)
-    kinds: list[dict[str, int]] = []
-    got = generate(
-        models.target,
-        prompts,
-        params,
-        before=lambda llm: kinds.append(count_proposal_kinds(llm)),
-        speculative_model=str(eagle_head(arch, "trained")),
-        speculative_ngram_first=True,
-        speculative_row_cost=0.0,
-        **SCENARIOS[name].options,
-    )
-    assert got.outputs == ref.outputs
-    assert got.finish == ref.finish
-    assert kinds[0]["ngram"] > 0 and kinds[0]["model"] > 0, kinds
+    got = generate_ngram_first(arch, name, spec_models(arch), eagle_head(arch, "trained"))
     assert spec_stats(got.llm.engine.scheduler).accepted_tokens > 0
 
 

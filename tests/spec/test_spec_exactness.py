@@ -215,6 +215,30 @@ def test_greedy_speculation_is_exact(
         assert scheduler.prefix_hits > 0, "shared prefixes should hit the cache"
 
 
+def generate_ngram_first(
+    arch: str, name: str, models: SpecModels, draft: Path, **options: Any
+) -> Outcome:
+    """A scenario with n-gram first over `draft` (a draft model or EAGLE head), checked against
+    the plain run's outcome, with both kinds of proposal seen."""
+    prompts, params, ref = reference(arch, name, models)
+    kinds: list[dict[str, int]] = []
+    got = generate(
+        models.target,
+        prompts,
+        params,
+        before=lambda llm: kinds.append(count_proposal_kinds(llm)),
+        speculative_model=str(draft),
+        speculative_ngram_first=True,
+        speculative_row_cost=0.0,  # nobody sits drafts out: both kinds of verify keep coming
+        **SCENARIOS[name].options,
+        **options,
+    )
+    assert got.outputs == ref.outputs
+    assert got.finish == ref.finish
+    assert kinds[0]["ngram"] > 0 and kinds[0]["model"] > 0, kinds
+    return got
+
+
 @pytest.mark.parametrize("arch, name", [("llama", "mixed"), ("qwen3", "preempt")])
 def test_ngram_first_with_a_draft_model_is_exact(
     spec_models: Callable[[str], SpecModels], arch: str, name: str
@@ -223,21 +247,7 @@ def test_ngram_first_with_a_draft_model_is_exact(
     within one request (the draft catches up on what the n-gram verifies accepted), and the
     output is still the target's alone."""
     models = spec_models(arch)
-    prompts, params, ref = reference(arch, name, models)
-    options = dict(SCENARIOS[name].options, **spec_options("noisy", models, True))
-    options["speculative_ngram_first"] = True
-    kinds: list[dict[str, int]] = []
-    got = generate(
-        models.target,
-        prompts,
-        params,
-        before=lambda llm: kinds.append(count_proposal_kinds(llm)),
-        speculative_row_cost=0.0,
-        **options,
-    )
-    assert got.outputs == ref.outputs
-    assert got.finish == ref.finish
-    assert kinds[0]["ngram"] > 0 and kinds[0]["model"] > 0, kinds
+    got = generate_ngram_first(arch, name, models, models.draft("noisy"))
     stats = spec_stats(got.llm.engine.scheduler)
     assert 0 < stats.accepted_tokens < stats.draft_tokens
 

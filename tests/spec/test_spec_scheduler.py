@@ -34,15 +34,20 @@ POOLS = {"big": 512, "tiny": 14}  # tiny: 56 slots; 4 running requests of up to 
 CFG = {"max_num_batched_tokens": 32, "max_num_seqs": 4, "max_model_len": 56}
 
 
-def planned_ks(run: Run, rid: str) -> list[int]:
-    """The k of every verify planned for `rid`, in order."""
-    ks = []
-    for plan in run.plans:
+def planned_verifies(run: Run, rid: str) -> list[tuple[int, int]]:
+    """(plan index, k) of every verify planned for `rid`, in order."""
+    verifies = []
+    for i, plan in enumerate(run.plans):
         num_spec = plan.running.num_spec_tokens or [0] * len(plan.running.req_ids)
         for r, k in zip(plan.running.req_ids, num_spec):
             if r == rid and k:
-                ks.append(k)
-    return ks
+                verifies.append((i, k))
+    return verifies
+
+
+def planned_ks(run: Run, rid: str) -> list[int]:
+    """The k of every verify planned for `rid`, in order."""
+    return [k for _, k in planned_verifies(run, rid)]
 
 
 # -- random acceptance: invariants ------------------------------------------------------------
@@ -276,16 +281,6 @@ def _batch_of_three(accept: Accept, row_cost: float) -> tuple[Scheduler, Run]:
     return sched, run
 
 
-def _draft_steps(run: Run, rid: str) -> list[int]:
-    """Indices of the plans that gave `rid` drafts."""
-    steps = []
-    for i, plan in enumerate(run.plans):
-        num_spec = plan.running.num_spec_tokens or [0] * len(plan.running.req_ids)
-        if dict(zip(plan.running.req_ids, num_spec)).get(rid, 0):
-            steps.append(i)
-    return steps
-
-
 def test_low_acceptance_sits_out_drafts_in_a_batch_and_probes() -> None:
     """Three decoding requests, row cost 0.3 (min 0.6 accepted drafts per verify), nothing ever
     accepted: k falls 4, 3, 2 as the average halves (2.0, 1.0, 0.5), then each request sits
@@ -294,13 +289,13 @@ def test_low_acceptance_sits_out_drafts_in_a_batch_and_probes() -> None:
     assert planned_ks(run, "x")[:3] == [4, 3, 2]
     probes = planned_ks(run, "x")[3:]
     assert probes and set(probes) == {1}
-    steps = _draft_steps(run, "x")[3:]
+    steps = [i for i, _ in planned_verifies(run, "x")[3:]]
     assert {b - a for a, b in zip(steps, steps[1:])} == {PROBE_EVERY}
     stats = spec_stats(sched)
     assert stats.paused_drafts > 0
-    _, plain = _batch_of_three(lambda rid, k, i: 0, row_cost=0.0)
+    plain_sched, plain = _batch_of_three(lambda rid, k, i: 0, row_cost=0.0)
     assert run.outputs == plain.outputs
-    assert spec_stats(_batch_of_three(lambda rid, k, i: 0, row_cost=0.0)[0]).paused_drafts == 0
+    assert spec_stats(plain_sched).paused_drafts == 0
 
 
 def test_good_acceptance_keeps_drafting_in_a_batch() -> None:
