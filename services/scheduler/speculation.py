@@ -85,13 +85,15 @@ class SpecPolicy:
     def from_config(cls, config: EngineConfig) -> SpecPolicy | None:
         if config.speculative is None or config.null_model:
             return None
-        assert config.num_speculative_tokens is not None  # resolved per method by the config
+        # Both resolved by the config: k per method, the row cost per device.
+        assert config.num_speculative_tokens is not None
+        assert config.speculative_row_cost is not None
         return cls(
             config.speculative,
             config.num_speculative_tokens,
             adaptive=config.speculative_adaptive,
             max_batch=config.speculative_max_batch,
-            row_cost=config.speculative_row_cost or 0.0,
+            row_cost=config.speculative_row_cost,
             ngram_first=config.speculative_ngram_first,
         )
 
