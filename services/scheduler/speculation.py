@@ -18,7 +18,7 @@ Adaptive policy (docs/speculation.md):
 
 from __future__ import annotations
 
-from common.config import EngineConfig
+from common.config import NGRAM_SPECULATIVE_TOKENS, EngineConfig
 from common.messages import SpecStats
 from services.scheduler.request import Request
 
@@ -68,18 +68,23 @@ class SpecPolicy:
         max_batch: int = 8,
         row_cost: float = 0.0,
         ngram_first: bool = False,
+        ngram_k: int | None = None,
         ngram_min: int = 2,
         ngram_max: int = 4,
     ) -> None:
         self.method = method
-        self.max_k = num_tokens
+        # With ngram_first, an n-gram match may offer more drafts than the model does: its ids
+        # cost nothing to propose, and a copying request accepts long runs of them. The
+        # adaptive k climbs past the model's k only through verifies that accepted all drafts.
+        self.model_k = num_tokens
+        self.max_k = max(num_tokens, ngram_k or 0) if ngram_first else num_tokens
         self.adaptive = adaptive
         self.max_batch = max_batch
         self.row_cost = row_cost
         self.ngram_first = ngram_first  # draft method: an n-gram match's ids before the model's
         self.min_accept = 0.0  # this step's: the accepted drafts per verify a request must average
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
-        self.stats = SpecStats(accepted_per_position=[0] * num_tokens)
+        self.stats = SpecStats(accepted_per_position=[0] * self.max_k)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> SpecPolicy | None:
@@ -95,6 +100,7 @@ class SpecPolicy:
             max_batch=config.speculative_max_batch,
             row_cost=config.speculative_row_cost,
             ngram_first=config.speculative_ngram_first,
+            ngram_k=NGRAM_SPECULATIVE_TOKENS,
         )
 
     def enabled_for_step(self, num_decoding: int) -> bool:
@@ -120,15 +126,16 @@ class SpecPolicy:
         return max(1, min(self.max_k, int(ema + 0.5) + 1))
 
     def propose(self, request: Request, k: int) -> list[int] | int:
-        """n-gram: the draft ids (possibly fewer than k, or none). draft model: k, or with
-        ngram_first the ids of an n-gram match when there is one (free to propose, and where
-        the output copies its context more often right than a model's drafts)."""
+        """n-gram: the draft ids (possibly fewer than k, or none). draft model: k (at most the
+        model's k), or with ngram_first the ids of an n-gram match when there is one (free to
+        propose, and where the output copies its context more often right than a model's
+        drafts)."""
         if self.method != "ngram" and not self.ngram_first:
-            return k
+            return min(k, self.model_k)
         if request.ngram_index is None:
             request.ngram_index = NgramIndex(self.ngram_min, self.ngram_max)
         ids = request.ngram_index.propose(request.token_ids, k)
-        return ids if ids or self.method == "ngram" else k
+        return ids if ids or self.method == "ngram" else min(k, self.model_k)
 
     def on_result(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         s = self.stats

@@ -65,11 +65,13 @@ def make(
     max_batch: int = 64,
     reqs: Sequence[Request] = (),
     row_cost: float = 0.0,
+    ngram_first: bool = False,
+    ngram_k: int | None = None,
     **cfg: int,
 ) -> Scheduler:
     spec = None
     if method is not None:
-        spec = SpecPolicy(method, num_tokens, adaptive, max_batch, row_cost)
+        spec = SpecPolicy(method, num_tokens, adaptive, max_batch, row_cost, ngram_first, ngram_k)
     return fake_worker.make(num_blocks, cache, reqs, spec, **cfg)
 
 
@@ -188,7 +190,10 @@ def check_plan(sched: Scheduler, plan: StepPlan, inflight_verifies: set[str]) ->
             continue
         assert 1 <= k <= spec.max_k and num == k + 1
         assert request.spec_inflight == k
-        assert (num_ids(ids_) == k) if spec.method == "ngram" else not ids_
+        if num_ids(ids_):  # n-gram ids: the ngram method's, or a match under ngram_first
+            assert num_ids(ids_) == k and (spec.method == "ngram" or spec.ngram_first)
+        else:  # the drafter proposes k itself
+            assert spec.method != "ngram" and k <= spec.model_k
         # A verify yields at most k + 1 tokens: within max_tokens and the context length.
         assert request.num_output_tokens + k + 1 <= request.max_tokens
         assert request.num_tokens + k + 1 <= cfg.max_model_len

@@ -10,6 +10,8 @@ back draft, a bad prefix hit or a reused block shows up).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from common.messages import StepPlan
@@ -229,6 +231,40 @@ def test_fixed_k_without_adaptive() -> None:
     ks = planned_ks(run, "r")
     assert ks and all(k == 4 for k in ks[:-3])
     assert spec_stats(sched).disabled_steps == 0
+
+
+class CopyingWorker(SpecFakeWorker):
+    """A target that repeats its context with period 12, so an n-gram match's continuation
+    runs up to 12 ids (the default oracle's period of 3 cuts every match at 3)."""
+
+    @staticmethod
+    def target(tokens: Sequence[int]) -> int:
+        return tokens[-12] if len(tokens) >= 12 else 1 + len(tokens)
+
+
+def test_ngram_first_matches_climb_past_the_drafters_k() -> None:
+    """With ngram_first, n-gram matches climb past the drafter's k (up to ngram_k) through
+    verifies that accept every draft, the drafter never proposes more than its own k, and the
+    outputs are those of decoding without speculation."""
+    prompt = list(range(10, 22))  # 12 distinct ids, which the target then repeats
+    ref = drive(make(None, reqs=[req("r", prompt, 150)]), CopyingWorker("oracle"), False)
+    sched = make("draft", reqs=[req("r", prompt, 150)], ngram_first=True, ngram_k=8)
+    worker = CopyingWorker("oracle")
+    run = drive(sched, worker, overlap=False)
+    assert run.outputs == ref.outputs
+    ngram_ks = [v.k for v in worker.verifies if v.ngram]
+    drafter_ks = [v.k for v in worker.verifies if not v.ngram]
+    assert drafter_ks and max(drafter_ks) <= 4
+    assert max(ngram_ks) == 8, ngram_ks
+    assert len(spec_stats(sched).accepted_per_position) == 8
+    assert_idle(sched, worker)
+
+
+def test_ngram_k_needs_ngram_first() -> None:
+    """Without ngram_first a draft-model policy's k is the drafter's, whatever ngram_k says."""
+    sched = make("draft", reqs=[req("r", [3, 1, 4, 1, 5, 9, 2, 6] * 2, 100)], ngram_k=8)
+    run = drive(sched, SpecFakeWorker("script", accept=lambda rid, k, i: k), overlap=False)
+    assert max(planned_ks(run, "r")) == 4
 
 
 @pytest.mark.parametrize("method", METHODS)
