@@ -5,6 +5,11 @@ the bundled draft; then a copy-heavy workload (the answer repeats long spans of 
 n-gram. Outputs are checked to be identical to the non-speculative run. Also sweeps the batch
 size to show where speculation stops paying (the adaptive cut-off). Writes JSON results.
 
+Each arm reports tok/s end to end and decode tok/s, which leaves out the prefill (the time to
+each batch's first token): speculation shortens only decode, and the copy-heavy prompts are
+long enough that their prefill is a third of a speculating arm's time. k is fixed unless
+`--adaptive` asks for the served policy.
+
     .venv/bin/python benchmarks/speculative.py [--max-tokens 128]
 
 With an EAGLE head (docs/speculation.md) an `eagle` arm joins, and a chat workload (held-out
@@ -67,14 +72,24 @@ def chat_prompts(llm: LLM) -> list[list[int]] | None:
     return out
 
 
-def run(llm: LLM, prompts: list, batch: int, params: SamplingParams) -> tuple[float, list]:
-    """Decode tok/s generating `prompts` `batch` at a time; returns (tok/s, token ids)."""
-    outs = []
+def run(llm: LLM, prompts: list, batch: int, params: SamplingParams) -> tuple[float, float, list]:
+    """Generate `prompts` `batch` at a time. Returns (tok/s end to end, decode tok/s, token
+    ids). Decode tok/s leaves out each batch's prefill, which speculation cannot shorten: the
+    tokens after each first token over the time from a batch's first first token to its last
+    finish."""
+    outs, decode_tokens, decode_seconds = [], 0, 0.0
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        outs += llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+        group = [o.outputs[0] for o in llm.generate(prompts[i : i + batch], params, use_tqdm=False)]
+        firsts = [c.metrics.first_token_time for c in group]
+        lasts = [c.metrics.finished_time for c in group]
+        assert None not in firsts and None not in lasts
+        decode_seconds += max(lasts) - min(firsts)  # type: ignore[type-var]
+        decode_tokens += sum(len(c.token_ids) - 1 for c in group)
+        outs += group
     seconds = time.perf_counter() - start
-    return sum(len(o.token_ids) for o in outs) / seconds, [o.token_ids for o in outs]
+    tps = sum(len(o.token_ids) for o in outs) / seconds
+    return tps, decode_tokens / decode_seconds, [o.token_ids for o in outs]
 
 
 def copy_heavy_prompts(llm: LLM, max_tokens: int) -> list[list[int]]:
@@ -101,6 +116,11 @@ def main() -> None:
     )
     ap.add_argument("--no-sweep", action="store_true", help="skip the by-batch-size sweep")
     ap.add_argument("--dtype", default="float32", help="the target's (and heads') dtype")
+    ap.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="the served default (adaptive k, sitting out, the batch cut-off) instead of fixed k",
+    )
     a = ap.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
     modes = {m: o for m, o in MODES.items() if not (a.no_draft and m == "draft")}
@@ -111,7 +131,11 @@ def main() -> None:
         mode: LLM(
             a.model,
             num_speculative_tokens=a.k,
-            speculative_adaptive=False,  # measure speculation itself; adaptivity is swept below
+            # By default measure speculation itself; adaptivity is swept below.
+            speculative_adaptive=a.adaptive,
+            # Every arm prefills every prompt: the plain engine generated the copy-heavy
+            # prompts' continuations, and with its prefix cache it alone would skip their prefill.
+            enable_prefix_caching=False,
             dtype=a.dtype,
             **opts,
         )
@@ -121,7 +145,13 @@ def main() -> None:
     draft = str(default_draft(resolve_model(a.model)))  # what `--speculative draft` loads
     k_by_mode = {m: llm.engine.config.num_speculative_tokens for m, llm in engines.items()}
     k_by_mode.pop("none")
-    results: dict = {"model": a.model, "draft": draft, "k": k_by_mode, "dtype": a.dtype}
+    results: dict = {
+        "model": a.model,
+        "draft": draft,
+        "k": k_by_mode,
+        "dtype": a.dtype,
+        "adaptive": a.adaptive,
+    }
     if a.eagle:
         results["eagle"] = a.eagle
     workloads = [("shakespeare", PROMPTS), ("copy-heavy", copy_prompts)]
@@ -132,21 +162,22 @@ def main() -> None:
         if workload not in a.workloads:
             continue
         for batch in (1, 8):
-            base_tps, base_ids = None, None
+            base_tps, base_decode, base_ids = 0.0, 0.0, None
             for mode, llm in engines.items():
                 if workload == "copy-heavy" and mode in ("draft", "eagle"):
                     continue
                 llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm
                 before = _spec_counts(llm)
-                tps, ids = run(llm, prompts, batch, params)
+                tps, decode_tps, ids = run(llm, prompts, batch, params)
                 after = _spec_counts(llm)
-                row = {"tok_per_s": round(tps, 1)}
+                row = {"tok_per_s": round(tps, 1), "decode_tok_per_s": round(decode_tps, 1)}
                 if mode == "none":
-                    base_tps, base_ids = tps, ids
+                    base_tps, base_decode, base_ids = tps, decode_tps, ids
                 else:
                     drafts = after[0] - before[0]
                     accepted = after[1] - before[1]
                     row["speedup"] = round(tps / base_tps, 2)
+                    row["decode_speedup"] = round(decode_tps / base_decode, 2)
                     row["identical_to_no_spec"] = ids == base_ids
                     row["mean_acceptance_length"] = round(1 + accepted / max(drafts, 1), 2)
                 results[f"{workload}/batch{batch}/{mode}"] = row
@@ -157,8 +188,8 @@ def main() -> None:
     sweep = {}
     for batch in (1, 2, 4, 8, 16) if swept and not a.no_sweep else ():
         prompts = (PROMPTS * 4)[: max(batch, 8)]
-        base, _ = run(engines["none"], prompts, batch, params)
-        spec, _ = run(engines[swept], prompts, batch, params)
+        base, _, _ = run(engines["none"], prompts, batch, params)
+        spec, _, _ = run(engines[swept], prompts, batch, params)
         sweep[batch] = round(spec / base, 2)
         print(f"sweep batch {batch:3d}: {swept} speedup {sweep[batch]}x", flush=True)
     results[f"{swept}_speedup_by_batch"] = sweep

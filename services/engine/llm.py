@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import time
 from collections.abc import Sequence
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,12 +25,30 @@ Prompt = str | Sequence[int]
 
 
 @dataclasses.dataclass
+class CompletionMetrics:
+    """When this completion was queued, got its first token and finished (time.monotonic()
+    seconds, as the engine loop saw them), so a caller can tell prefill from decode."""
+
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def decode_seconds(self) -> float | None:
+        """From the first token to the last: the decode phase alone."""
+        if self.first_token_time is None or self.finished_time is None:
+            return None
+        return self.finished_time - self.first_token_time
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None
+    metrics: CompletionMetrics = dataclasses.field(default_factory=CompletionMetrics)
 
 
 @dataclasses.dataclass
@@ -148,6 +167,9 @@ class LLM:
                 for update in self.engine.step():
                     item = pending[update.req_id]
                     out = item.output
+                    now = time.monotonic()
+                    if out.metrics.first_token_time is None and update.new_token_ids:
+                        out.metrics.first_token_time = now
                     out.token_ids.extend(update.new_token_ids)
                     if update.logprobs is not None and out.logprobs is not None:
                         out.logprobs.extend(lp for lp in update.logprobs if lp is not None)
@@ -165,6 +187,7 @@ class LLM:
                     if finish is not None:
                         out.text += item.detok.finish().text
                         out.finish_reason = finish
+                        out.metrics.finished_time = now
                         bar.update(1)
         except BaseException:
             for req_id in pending:

@@ -35,6 +35,18 @@ def test_outputs_in_order_with_text(llm):
     assert outs[1].prompt_token_ids == [5, 6, 7]
 
 
+def test_completion_metrics_order_arrival_first_token_and_finish(llm):
+    """Timestamps let a caller separate prefill from decode (benchmarks/speculative.py does)."""
+    outs = llm.generate(["a b c", "d e f g"], [GREEDY, GREEDY])
+    for completion in (o.outputs[0] for o in outs):
+        m = completion.metrics
+        assert m.first_token_time is not None and m.finished_time is not None
+        assert m.arrival_time <= m.first_token_time <= m.finished_time
+        assert m.decode_seconds == m.finished_time - m.first_token_time
+    one = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    assert one.outputs[0].metrics.decode_seconds == 0.0  # one token: all prefill
+
+
 def test_top_k_1_equals_greedy(llm):
     greedy = llm.generate(["hello world"], GREEDY)[0].token_ids
     top1 = SamplingParams(temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True, seed=3)
