@@ -5,6 +5,8 @@ Adaptive policy (docs/speculation.md):
 - k per request follows an exponential moving average of its accepted drafts per verify:
   k = clamp(round(ema) + 1, 1, K). A request whose drafts keep failing drops to k = 1; a verify
   that accepts every draft lifts the average to k, so the next one gets k + 1, back up to K.
+  With ngram_first, K is the n-gram's k (8) for a match's ids, and the model's drafts stay
+  capped at its own k.
 - A request whose average is below `row_cost x (decoding requests - 1)` sits out the step's
   drafts: every draft row adds to a batched forward's cost, the more so the larger the batch,
   and a request accepting little pays for none of its rows. Every PROBE_EVERY-th step it sits
@@ -146,7 +148,9 @@ class SpecPolicy:
             s.accepted_per_position[j] += 1
         request.num_draft_tokens += num_drafts
         request.num_accepted_tokens += num_accepted
-        previous = self.max_k if request.spec_ema is None else request.spec_ema
+        # A first verify averages against the model's k: a head's request decays as it did
+        # before n-gram matches could offer more.
+        previous = self.model_k if request.spec_ema is None else request.spec_ema
         ema = EMA_WEIGHT * num_accepted + (1 - EMA_WEIGHT) * previous
         # All accepted: the request could have taken more, so offer one more next time.
         request.spec_ema = max(ema, num_drafts) if num_accepted == num_drafts else ema
