@@ -407,6 +407,7 @@ def engine_acceptance(
         speculative_model=str(head_dir),
         num_speculative_tokens=SPEC_K,
         speculative_adaptive=False,
+        speculative_ngram_first=False,  # the head's own drafts: n-gram matches would mix in
     )
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)

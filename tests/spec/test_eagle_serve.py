@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from common.config import NGRAM_SPECULATIVE_TOKENS
 from services.engine import LLM, SamplingParams
 from tests.spec.eagle_heads import head_factory
 from tests.spec.spec_models import SpecModels
@@ -54,6 +55,9 @@ def test_trained_folder_holds_the_head_and_its_card(eagle_head) -> None:
     assert "stoker train-draft --method eagle" in card
     assert re.search(r"draft vocabulary \| 256 tokens, .* \(\d+\.\d% of held-out", card)
     assert re.search(r"mean accepted drafts per verify: \*\*\d+\.\d\d\*\*", card)
+    # The head's own drafts, one share per position of its k (no n-gram matches mixed in).
+    shares = re.search(r"accepting draft i, i = 1\.\.(\d+): (.*)$", card, re.M)
+    assert shares is not None and len(shares.group(2).split(", ")) == int(shares.group(1))
 
 
 def _free_port() -> int:
@@ -111,12 +115,14 @@ def test_serve_with_eagle_head(
                 metrics,
             )
         )
-        assert sorted(per_pos) == ["0", "1", "2", "3"]
+        # The head drafts 4; with n-gram first (the default) a match may offer 8.
+        positions = [str(j) for j in range(NGRAM_SPECULATIVE_TOKENS)]
+        assert sorted(per_pos) == positions
         drafts = re.search(r"^stoker:spec_decode_num_draft_tokens_total (\S+)$", metrics, re.M)
         assert drafts is not None and float(drafts.group(1)) > 0
         accepted = re.search(r"^stoker:spec_decode_num_accepted_tokens_total (\S+)$", metrics, re.M)
         assert accepted is not None
-        counts = [float(per_pos[str(j)]) for j in range(4)]
+        counts = [float(per_pos[j]) for j in positions]
         assert sum(counts) == float(accepted.group(1))
         assert counts == sorted(counts, reverse=True)  # draft j accepted only after j - 1
     finally:
