@@ -8,6 +8,10 @@ each under a hard timeout, then merges):
     decode      batch-1 decode ms/token with and without CUDA graphs
     throughput  the nano-vllm workload: 256 requests, input/output lengths uniform 100-1024
     timing      decode attention, RMSNorm and rotary against the bandwidth floor
+    serve       `stoker serve --device cuda` (real processes, ZMQ, HTTP): one completion, then
+                `stoker bench serve` at 128 streams, and no KV block leaked at idle
+    profile     torch.profiler's top kernels (batch-1 decode, a workload slice) and cProfile of
+                eager batch-1 forwards, into WORK/profile_*.txt
 
     python benchmarks/gpu_check.py PHASE --work DIR [--smoke]
     python benchmarks/gpu_check.py merge --work DIR --out FILE
@@ -38,7 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-PHASES = ("model", "kernels", "hf", "decode", "throughput", "timing")
+PHASES = ("model", "kernels", "hf", "decode", "throughput", "timing", "serve", "profile")
 QWEN3_0_6B = dict(
     vocab_size=151936,
     hidden_size=1024,
@@ -245,6 +249,10 @@ def _kernel_cases(smoke: bool):
                 cases.append(("store_kv", *common))
         for name in ("rms_norm", "add_rms_norm", "qk_rms_norm"):
             cases.append((name, dtype, 1, 128, 16, sizes))
+    cases.append(("race", torch.float32, 1, 128, 16, sizes))
+    only = os.environ.get("GPU_CHECK_KERNELS")  # e.g. "rotary,race": a re-run of a few
+    if only:
+        cases = [c for c in cases if c[0] in only.split(",")]
     return cases
 
 
@@ -277,6 +285,22 @@ def _check_kernel(name, dtype, group, head_dim, bs, sizes, gen) -> tuple[float, 
         return torch.randint(1, hi + 1, (count,), generator=gen, device=dev)
 
     tol = TOL[dtype]
+    if name == "race":
+        # The fused sampling race against the materialised torch-twin noise: same noise bits,
+        # so a different pick is allowed only at a near tie (the log and division may differ
+        # by an ulp). The first value returned is the number of rows that picked differently.
+        from kernels import triton_sampling as ts
+        from services.worker.sampling_noise import _noise_torch
+
+        rows, vocab = (4, 3000) if sizes["tokens"] < 100 else (256, 151936)
+        probs = torch.rand(rows, vocab, generator=gen, device=dev) ** 4
+        keys = torch.randint(0, 2**62, (rows,), generator=gen, device=dev)
+        got_ids = ts.race_sample(probs, keys)
+        scores = probs / _noise_torch(keys, vocab)
+        want_ids = scores.max(dim=-1).indices
+        best = scores.gather(1, want_ids[:, None])
+        gap = ((best - scores.gather(1, got_ids[:, None])) / best).max().item()
+        return float((got_ids != want_ids).sum().item()), gap <= 1e-5
     if name in ("decode", "decode_split"):
         count = sizes["batch"] if name == "decode" else sizes["split_batch"]
         lens = lens_of(count, sizes["max_ctx"])
@@ -352,11 +376,17 @@ def _check_kernel(name, dtype, group, head_dim, bs, sizes, gen) -> tuple[float, 
         n = sizes["tokens"]
         q, k = randn(n, num_q, head_dim), randn(n, num_kv, head_dim)
         pos = torch.randint(0, 16384, (n,), generator=gen, device=dev)
-        want = torch.cat(ref_rope.apply_rotary(q, k, cos[pos].to(dtype), sin[pos].to(dtype)), 1)
+        # The kernels compute in float32 and round once, so the reference is float32 arithmetic
+        # on the kernel's own inputs: per-token rows in `dtype`, or the float32 tables. (A
+        # 16-bit reference rounds each product, and where q cos and k sin nearly cancel its
+        # error is a few ulps of the products, not of the result.)
         if name == "rotary":
-            got = torch.cat(tn.apply_rotary(q, k, cos[pos].to(dtype), sin[pos].to(dtype)), 1)
+            c, s = cos[pos].to(dtype), sin[pos].to(dtype)
+            got = torch.cat(tn.apply_rotary(q, k, c, s), 1)
         else:
+            c, s = cos[pos], sin[pos]
             got = torch.cat(tn.apply_rotary_by_position(q, k, cos, sin, pos), 1)
+        want = torch.cat(ref_rope.apply_rotary(q.float(), k.float(), c.float(), s.float()), 1)
     got, want = got.float(), want.float()
     err = (got - want).abs().nan_to_num(float("inf")).max().item()
     return err, bool(torch.allclose(got, want, **tol))
@@ -518,15 +548,15 @@ def phase_decode(work: Path, smoke: bool, report: Report) -> bool:
         greedy = dict(temperature=0.0, ignore_eos=True)
         llm.generate([prompt], SamplingParams(max_tokens=16, **greedy), use_tqdm=False)  # warm-up
         steps = StepTimes(runner)
-        per_token = []
-        for _ in range(3):  # ms/token = (time for `new` tokens - time for 1) / (new - 1)
+        firsts, totals = [], []
+        for _ in range(3):  # ms/token = (best time for `new` tokens - best for 1) / (new - 1)
             started = time.perf_counter()
             llm.generate([prompt], SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
-            first = time.perf_counter() - started
+            firsts.append(time.perf_counter() - started)
             steps.reset()
             started = time.perf_counter()
             out = llm.generate([prompt], SamplingParams(max_tokens=new, **greedy), use_tqdm=False)
-            per_token.append((time.perf_counter() - started - first) / (new - 1))
+            totals.append(time.perf_counter() - started)
         tokens[graphs] = out[0].token_ids
         # The model forward alone at batch 1, context ~len(prompt): replay vs eager launches.
         blocks = list(range(-(-(len(prompt) + 1) // runner.block_size)))
@@ -536,8 +566,9 @@ def phase_decode(work: Path, smoke: bool, report: Report) -> bool:
         report.add(
             cuda_graphs=graphs,
             captured=runner.graphs is not None and runner.graphs._entries[1].graph is not None,
-            ms_per_token=round(min(per_token) * 1e3, 3),
-            ms_per_token_runs=[round(t * 1e3, 3) for t in per_token],
+            ms_per_token=round((min(totals) - min(firsts)) / (new - 1) * 1e3, 3),
+            one_token_ms_runs=[round(t * 1e3, 2) for t in firsts],
+            all_tokens_ms_runs=[round(t * 1e3, 2) for t in totals],
             forward_only_ms=round(forward_s * 1e3, 3),
             **steps.summary(),
         )
@@ -709,7 +740,226 @@ def phase_timing(work: Path, smoke: bool, report: Report) -> bool:
             lambda q=q, k=k, c=cos, s=sin: dispatch.apply_rotary(q, k, c, s),
             tokens=tokens,
         )
+    # The sampler's race: the fused kernel against the materialised noise it replaced on CUDA.
+    from services.worker.sampling_noise import noise_rows
+
+    vocab = 3000 if smoke else 151936
+    for rows in (1, 8) if smoke else (1, 256):
+        probs = torch.rand(rows, vocab, generator=gen, device=dev)
+        keys = torch.randint(0, 2**62, (rows,), generator=gen, device=dev)
+        fused = dispatch.race_sample(probs, keys)
+        if fused is not None:
+            record(
+                "race_sample",
+                rows * vocab * 4,
+                lambda p=probs, k=keys: dispatch.race_sample(p, k),
+                rows=rows,
+                vocab=vocab,
+            )
+        record(
+            "race_materialised_noise",
+            rows * vocab * 4,
+            lambda p=probs, k=keys: (p / noise_rows(k, p.shape[-1])).max(dim=-1).indices,
+            rows=rows,
+            vocab=vocab,
+        )
     return True
+
+
+# -- profile -------------------------------------------------------------------------------------
+
+
+def phase_profile(work: Path, smoke: bool, report: Report) -> bool:
+    """Where the time goes, for the next optimisation to aim at: torch.profiler's top kernels by
+    device time over batch-1 greedy decode (the CUDA-graph path) and over a slice of the nano-vllm
+    workload, and cProfile's top functions over eager batch-1 forwards (the host cost of a
+    launch-bound step). Each table goes to the log and to WORK/profile_NAME.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from common.sampling_params import SamplingParams
+    from services.worker.step_inputs import Chunk
+
+    on_cuda = _cuda()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    sort = "self_device_time_total" if on_cuda else "self_cpu_time_total"
+    if on_cuda and not hasattr(torch.autograd.profiler_util.FunctionEventAvg(), sort):
+        sort = "self_cuda_time_total"  # the older name
+
+    def save(name: str, text: str) -> None:
+        (work / f"profile_{name}.txt").write_text(text)
+        print(f"== profile {name}\n{text}")
+
+    def top(prof, name: str, **extra) -> None:
+        events = prof.key_averages()
+        save(name, events.table(sort_by=sort, row_limit=30, max_name_column_width=80))
+        rows = sorted(events, key=lambda e: getattr(e, sort), reverse=True)[:30]
+        report.add(
+            profile=name,
+            **extra,
+            top=[
+                dict(name=e.key[:120], calls=e.count, self_device_us=round(getattr(e, sort)),
+                     self_cpu_us=round(e.self_cpu_time_total))
+                for e in rows
+            ],
+        )  # fmt: skip
+
+    vocab = json.loads((_model_path(work) / "config.json").read_text())["vocab_size"]
+    prompt = [random.Random(2).randrange(3, vocab) for _ in range(16 if smoke else 128)]
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    new = 8 if smoke else 64
+
+    llm = _llm(work, max_model_len=2048, max_num_seqs=1, num_kv_blocks=256)
+    runner = llm.engine.runner
+    if not on_cuda:
+        runner.use_decode_graphs(capture=False)
+    llm.generate([prompt], SamplingParams(max_tokens=16, **greedy), use_tqdm=False)  # warm-up
+    with profile(activities=activities) as prof:
+        llm.generate([prompt], SamplingParams(max_tokens=new, **greedy), use_tqdm=False)
+    top(prof, "decode_batch1", new_tokens=new)
+
+    # Eager launches, the graph set aside: what each step costs the host.
+    graphs, runner.graphs = runner.graphs, None
+    blocks = list(range(-(-(len(prompt) + 1) // runner.block_size)))
+    forward = _batch1_forward(runner, Chunk([5], len(prompt), blocks, 1), _device())
+    calls = 3 if smoke else 20
+    with torch.inference_mode():
+        forward()
+        profiler = cProfile.Profile()
+        started = time.perf_counter()
+        profiler.enable()
+        for _ in range(calls):
+            forward()
+        if on_cuda:
+            torch.cuda.synchronize()
+        profiler.disable()
+        eager_ms = (time.perf_counter() - started) / calls * 1e3
+    runner.graphs = graphs
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    save("eager_host", f"{calls} eager batch-1 forwards, {eager_ms:.2f} ms each\n{text.getvalue()}")
+    report.set(eager_forward_ms_under_cprofile=round(eager_ms, 2))
+    del llm, runner, graphs
+    _free()
+
+    prompts, params = nano_vllm_workload(smoke)
+    count = 8 if smoke else 128
+    cap = 8 if smoke else 128
+    params = [
+        SamplingParams(
+            temperature=sp.temperature, ignore_eos=True, max_tokens=min(sp.max_tokens, cap)
+        )
+        for sp in params[:count]
+    ]
+    options = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384)
+    if smoke:
+        options = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+    llm = _llm(work, **options)
+    if not on_cuda:
+        llm.engine.runner.use_decode_graphs(capture=False)
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    steps = StepTimes(llm.engine.runner)
+    started = time.perf_counter()
+    with profile(activities=activities) as prof:
+        outs = llm.generate(prompts[:count], params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(o.token_ids) for o in outs)
+    top(prof, "throughput_slice", requests=count, output_tokens=tokens,
+        seconds_under_profiler=round(seconds, 2), **steps.summary())  # fmt: skip
+    return True
+
+
+# -- serve ---------------------------------------------------------------------------------------
+
+
+def _http_json(url: str, body: dict | None = None, timeout: float = 60) -> dict:
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    return None
+
+
+def phase_serve(work: Path, smoke: bool, report: Report) -> bool:
+    """The whole service set on the device: api, tokenizer, scheduler and worker as their own
+    processes over ZMQ, driven over HTTP by `stoker bench serve` (aiohttp)."""
+    import signal
+    import socket
+    import subprocess
+    import tempfile
+    import urllib.request
+
+    from services.bench.serve import main as bench_main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    vocab = json.loads((_model_path(work) / "config.json").read_text())["vocab_size"]
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(_model_path(work))]
+    cmd += ["--port", str(port), "--device", str(_device()), "--dtype", _dtype_name()]
+    cmd += ["--max-model-len", "1024"]
+    if smoke:
+        cmd += ["--max-num-seqs", "8"]
+    log = open(work / "serve.log", "w")  # noqa: SIM115
+    started = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"stoker serve exited with {proc.returncode}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except Exception:
+                time.sleep(0.2)
+        report.set(ready_s=round(time.perf_counter() - started, 1))
+        model = _http_json(base + "/v1/models")["data"][0]["id"]
+        one = _http_json(
+            base + "/v1/completions",
+            dict(model=model, prompt="w5 w6 w7", max_tokens=8, temperature=0, ignore_eos=True),
+        )
+        report.set(completion=one["choices"][0]["text"], usage=one.get("usage"))
+        out = Path(tempfile.mkdtemp()) / "bench.json"
+        count, streams = (8, 4) if smoke else (512, 128)
+        rc = bench_main([
+            "--port", str(port), "--result-json", str(out), "--disable-tqdm", "--ignore-eos",
+            "--random-input-len", "128", "--random-output-len", "128", "--num-prompts",
+            str(count), "--max-concurrency", str(streams), "--metric-percentiles", "50,99",
+            "--random-vocab-size", str(vocab),
+        ])  # fmt: skip
+        result = json.loads(out.read_text())
+        report.set(bench={k: v for k, v in result.items() if not isinstance(v, list)})
+        for _ in range(50):  # the scheduler's stats reach the api on its next report
+            metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+            free = _metric(metrics, "stoker:kv_cache_free_blocks")
+            total = _metric(metrics, "stoker:kv_cache_total_blocks")
+            if free == total:
+                break
+            time.sleep(0.1)
+        report.set(kv_free_blocks=free, kv_total_blocks=total)
+        print("serve:", {k: v for k, v in report.data.items() if k != "records"})
+        return rc == 0 and result.get("completed") == count and free == total
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
 
 
 # -- driver ----------------------------------------------------------------------------------------

@@ -9,9 +9,16 @@
 #   hf          greedy agreement with HF in bf16, tolerance-based on logits
 #   decode      batch-1 decode ms/token with and without CUDA graphs
 #   throughput  nano-vllm workload: 256 requests, in/out lengths uniform 100-1024, seed 0
-#   timing      decode attention / RMSNorm / rotary against the copy-bandwidth floor
+#   serve       `stoker serve --device cuda` over HTTP: one completion, bench serve at 128
+#               streams, no KV block leaked (its log comes back as serve.log)
+#   timing      decode attention / RMSNorm / rotary / the sampling race against the copy-bandwidth
+#               floor
+#   profile     torch.profiler's top kernels (batch-1 decode, a slice of the workload) and
+#               cProfile of eager batch-1 forwards (profile_*.txt come back beside the JSON)
 # Results: $OUT/gpu_check.json (every phase, with exit status and wall time) and
-# $OUT/gpu_check.log. Exit status 0 only if every phase passed.
+# $OUT/gpu_check.log. Exit status 0 only if every phase passed. GPU_CHECK_PHASES="model decode"
+# runs only the phases named (the model phase first, where the folder is not built yet), and
+# GPU_CHECK_KERNELS="rotary,race" only those kernel checks.
 #
 # The image lacks msgspec (stoker's message structs, imported on the engine path), pyzmq,
 # starlette and uvicorn. Fill .whl/ here first (git-ignored) with scripts/fetch_gpu_wheels.sh,
@@ -35,7 +42,7 @@ OUT=${OUT:-$PWD/.gpu_check}
 WORK=${GPU_CHECK_WORK:-/tmp/stoker-gpu-check}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-450}  # all phases together; the device command limit is 600
 mkdir -p "$OUT" "$WORK"
-rm -f "$WORK"/*.json "$WORK"/*.rc
+rm -f "$WORK"/*.json "$WORK"/*.rc "$WORK"/profile_*.txt "$WORK"/serve.log
 LOG=$OUT/gpu_check.log
 exec > >(tee "$LOG") 2>&1
 start=$SECONDS
@@ -55,9 +62,14 @@ torch.version.cuda, "transformers", transformers.__version__)'
 "$PY" -c 'import triton; print("triton", triton.__version__)' 2>/dev/null || echo "no triton"
 
 # phase, cap in seconds; each gets min(cap, what is left of the budget).
-PLAN=("model 90" "kernels 150" "hf 120" "decode 120" "throughput 180" "timing 60")
+PLAN=("model 90" "kernels 150" "hf 90" "decode 90" "throughput 150" "serve 120" "timing 60"
+  "profile 120")
+ONLY=${GPU_CHECK_PHASES:-}  # e.g. "model decode profile": a re-run of a few phases
 for entry in "${PLAN[@]}"; do
   read -r phase cap <<<"$entry"
+  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $phase "* ]]; then
+    continue
+  fi
   left=$((BUDGET_S - (SECONDS - start)))
   limit=$((cap < left ? cap : left))
   if [ "$limit" -lt 15 ]; then
@@ -72,6 +84,8 @@ for entry in "${PLAN[@]}"; do
   echo "$rc $((SECONDS - t0))" >"$WORK/$phase.rc"
   echo "== $phase: exit $rc after $((SECONDS - t0))s"
 done
+[ -f "$WORK/serve.log" ] && tail -c 200000 "$WORK/serve.log" >"$OUT/serve.log"
+for f in "$WORK"/profile_*.txt; do [ -f "$f" ] && cp "$f" "$OUT/"; done
 "$PY" benchmarks/gpu_check.py merge --work "$WORK" --out "$OUT/gpu_check.json"
 rc=$?
 echo "== total $((SECONDS - start))s; results in $OUT/gpu_check.json"

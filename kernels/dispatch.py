@@ -19,7 +19,9 @@ off, on every path.
 
 Extra entry points with no reference twin: `paged_attention_varlen` (many prefill / verify /
 decode requests in one launch) and `apply_rotary_by_position` (cos/sin gathered in the kernel);
-their torch fallbacks are built from the references.
+their torch fallbacks are built from the references. `race_sample` (the sampler's exponential
+race with its noise fused) returns None where no kernel applies: its torch twin lives with the
+noise, in services/worker/sampling_noise.py.
 """
 
 from __future__ import annotations
@@ -45,13 +47,13 @@ _forced: str | None = None  # None: automatic; "triton" or "torch": forced
 
 
 @functools.cache
-def _triton_modules() -> tuple[ModuleType, ModuleType] | None:
+def _triton_modules() -> tuple[ModuleType, ModuleType, ModuleType] | None:
     try:
-        from kernels import triton_attention, triton_norm_rope
+        from kernels import triton_attention, triton_norm_rope, triton_sampling
     except ImportError as e:  # triton not installed (CPU-only install): references only
         log.info("triton kernels unavailable, using torch references: %s", e)
         return None
-    return triton_attention, triton_norm_rope
+    return triton_attention, triton_norm_rope, triton_sampling
 
 
 def triton_available() -> bool:
@@ -113,6 +115,12 @@ def _norm_rope() -> ModuleType:
     modules = _triton_modules()
     assert modules is not None
     return modules[1]
+
+
+def _sampling() -> ModuleType:
+    modules = _triton_modules()
+    assert modules is not None
+    return modules[2]
 
 
 # -- attention -----------------------------------------------------------------------------------
@@ -279,3 +287,15 @@ def apply_rotary_by_position(
     cos = cos_table[positions].to(q.dtype)
     sin = sin_table[positions].to(q.dtype)
     return apply_rotary(q, k, cos, sin)
+
+
+# -- sampling ------------------------------------------------------------------------------------
+
+
+def race_sample(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+    """argmax(probs / noise) per row with the counter-based noise of int64 `keys` computed in
+    the kernel (triton_sampling.py), where triton runs (float32 probs); None elsewhere, where
+    the caller materialises the noise (services/worker/sampling_noise.py) and races on it."""
+    if probs.dtype == torch.float32 and _use_triton(probs):
+        return _sampling().race_sample(probs, keys)
+    return None

@@ -19,6 +19,7 @@ import torch
 
 from common.messages import TokenLogprobs
 from common.sampling_params import SamplingParams
+from kernels import dispatch
 from services.worker.sampling_noise import noise_rows, random_keys, seeded_key
 
 
@@ -240,19 +241,23 @@ class Sampler:
         if batch.all_greedy:
             assert greedy_ids is not None
             return SamplerOutput(greedy_ids)
-        token_ids = race(race_probs(logits, batch), self._noise(logits, batch))
+        probs, keys = race_probs(logits, batch), self._keys(logits, batch)
+        token_ids = dispatch.race_sample(probs, keys)  # the noise fused in, on CUDA
+        if token_ids is None:
+            token_ids = race(probs, noise_rows(keys, probs.shape[-1]))
         if greedy_ids is not None:
             token_ids = torch.where(batch.greedy, greedy_ids, token_ids)
         return SamplerOutput(token_ids)
 
-    def _noise(self, like: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """One key per row: the batch generator's, or a seeded row's own (seed, position)."""
+    def _keys(self, like: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """One noise key per row: the batch generator's, or a seeded row's own (seed,
+        position)."""
         keys = random_keys(like.shape[0], self.generator, like.device)
         if batch.seeded:
             rows = [row for row, _, _ in batch.seeded]
             own = [seeded_key(seed, position) for _, seed, position in batch.seeded]
             keys[rows] = torch.tensor(own, dtype=torch.int64, device=like.device)
-        return noise_rows(keys, like.shape[-1])  # finite and positive: no clamp needed
+        return keys
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

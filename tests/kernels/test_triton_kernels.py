@@ -34,9 +34,10 @@ from kernels import rms_norm as ref_norm  # noqa: E402
 from kernels import rotary as ref_rope  # noqa: E402
 from kernels import triton_attention as ta  # noqa: E402
 from kernels import triton_norm_rope as tn  # noqa: E402
+from kernels import triton_sampling as ts  # noqa: E402
 
 if type(ta._decode_kernel).__name__ != "InterpretedFunction":  # imported earlier, compiled mode
-    ta, tn = importlib.reload(ta), importlib.reload(tn)
+    ta, tn, ts = importlib.reload(ta), importlib.reload(tn), importlib.reload(ts)
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -383,6 +384,56 @@ def test_rotary_bfloat16():
         torch.testing.assert_close(got.float(), want.float(), **TOL_16)
 
 
+# -- sampling race ---------------------------------------------------------------------------------
+
+
+def _race_want(probs: torch.Tensor, keys: torch.Tensor) -> list[int]:
+    from services.worker.sampling_noise import _noise_torch
+
+    return (probs / _noise_torch(keys, probs.shape[-1])).max(dim=-1).indices.tolist()
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 7), (5, 2048), (3, 4099), (4, 49152)])
+def test_race_sample_matches_the_materialised_noise(rows, vocab, monkeypatch):
+    """The fused race draws the torch twin's noise bits, so it picks the same tokens; filtered
+    (zero) tokens never win, and a row with one survivor always picks it."""
+    monkeypatch.setattr(ts, "_empty", lambda shape, dtype, device: torch.full(shape, -1))
+    gen = _gen("race", rows, vocab)
+    probs = torch.rand(rows, vocab, generator=gen) ** 4
+    probs[0, : vocab // 2] = 0.0
+    if rows > 1:
+        probs[1] = 0.0
+        probs[1, vocab - 1] = 0.5
+    keys = torch.randint(0, (1 << 63) - 1, (rows,), generator=gen)
+    got = ts.race_sample(probs, keys).tolist()
+    assert got == _race_want(probs, keys)
+    assert all(probs[r, t] > 0 for r, t in enumerate(got))
+    if rows > 1:
+        assert got[1] == vocab - 1
+
+
+def test_sampler_race_through_the_triton_kernel_matches_torch():
+    """Sampler end to end (temperature, top-p, min-p, a seeded row) with the race forced onto
+    the kernel: the tokens the materialised-noise path picks."""
+    from common.sampling_params import SamplingParams
+    from services.worker.sampler import Sampler, SamplingBatch
+
+    vocab = 3000
+    params = [
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=7),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.3, min_p=0.05),
+    ]
+    logits = _randn(_gen("sampler-race"), len(params), vocab) * 3
+    batch = SamplingBatch.make(params, [0, 5, 0, 2], vocab, "cpu")
+    want = Sampler(torch.Generator().manual_seed(3))(logits, batch).token_ids
+    assert dispatch.race_sample(torch.rand(2, 5), torch.zeros(2, dtype=torch.int64)) is None
+    with dispatch.force_triton():
+        got = Sampler(torch.Generator().manual_seed(3))(logits, batch).token_ids
+    assert got.tolist() == want.tolist()
+
+
 # -- dispatch ------------------------------------------------------------------------------------
 
 
@@ -530,7 +581,7 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_attention as ta, triton_norm_rope as tn
+from kernels import triton_attention as ta, triton_norm_rope as tn, triton_sampling as ts
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 BACKEND = triton.compiler.make_backend(TARGET)
@@ -564,7 +615,7 @@ class Compile:
         return launch
 
 
-for module in (ta, tn):
+for module in (ta, tn, ts):
     for name, obj in list(vars(module).items()):
         if name.endswith("_kernel") and isinstance(obj, triton.runtime.JITFunction):
             setattr(module, name, Compile(obj))  # launched kernels; jit helpers stay
@@ -591,6 +642,7 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         tn.rms_norm(x, torch.empty(hidden, dtype=dtype), 1e-6)
         tn.add_rms_norm(x, x, torch.empty(hidden, dtype=dtype), 1e-6)
     tn.rms_norm(torch.empty(2, 4, 128, dtype=dtype), torch.empty(128), 1e-6)
+ts.race_sample(torch.empty(2, 151936), torch.zeros(2, dtype=torch.int64))
 print("ok", len(built))
 """
 
