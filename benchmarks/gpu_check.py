@@ -10,6 +10,7 @@ each under a hard timeout, then merges):
     timing      decode attention, RMSNorm and rotary against the bandwidth floor
     serve       `stoker serve --device cuda` (real processes, ZMQ, HTTP): one completion, then
                 `stoker bench serve` at 128 streams, and no KV block leaked at idle
+    paths       n-gram speculation, prefix caching and preemption against plain greedy (fp32)
     profile     torch.profiler's top kernels (batch-1 decode, a workload slice) and cProfile of
                 eager batch-1 forwards, into WORK/profile_*.txt
 
@@ -42,7 +43,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-PHASES = ("model", "kernels", "hf", "decode", "throughput", "timing", "serve", "profile")
+PHASES = (
+    "model", "kernels", "hf", "decode", "throughput", "timing", "serve", "paths", "profile"
+)  # fmt: skip
 QWEN3_0_6B = dict(
     vocab_size=151936,
     hidden_size=1024,
@@ -709,6 +712,35 @@ def phase_timing(work: Path, smoke: bool, report: Report) -> bool:
                 context=ctx,
                 table_width_from=width_from,
             )
+    # Mixed context lengths, as in the nano-vllm workload (uniform 100-2048): whole-context
+    # programs leave the longest rows as a tail, which split-K could even out.
+    lo, hi = (8, 64) if smoke else (100, 2048)
+    for batch in (4, 8) if smoke else (64, 256):
+        lens = torch.randint(lo, hi + 1, (batch,), generator=gen, device=dev)
+        width = -(-hi // bs)
+        blocks = batch * width + 1
+        kc, vc = randn(blocks, bs, num_kv, head_dim), randn(blocks, bs, num_kv, head_dim)
+        tables = torch.randperm(blocks, generator=gen, device=dev)[: batch * width]
+        tables = tables.view(batch, width)
+        q = randn(batch, num_q, head_dim)
+        nbytes = (2 * int(lens.sum()) * num_kv + 2 * batch * num_q) * head_dim * elem
+        splits_tried = [None] if dispatch.backend_for(q) != "triton" else [None, 2, 4, 8]
+        for splits in splits_tried:
+            from kernels import triton_attention as ta
+
+            def fn(q=q, kc=kc, vc=vc, t=tables, n=lens, s=splits):
+                if s is None:  # the launch heuristic, as the model calls it
+                    return dispatch.paged_decode_attention(q, kc, vc, t, n, 0.1)
+                return ta.paged_decode_attention(q, kc, vc, t, n, 0.1, num_splits=s)
+
+            record(
+                "paged_decode_attention_mixed",
+                nbytes,
+                fn,
+                batch=batch,
+                context=f"uniform {lo}-{hi}",
+                num_splits=splits or "auto",
+            )
     for tokens in (1, 256) if smoke else (1, 256, 4096):
         x, res, w = randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
         record(
@@ -764,6 +796,75 @@ def phase_timing(work: Path, smoke: bool, report: Report) -> bool:
             vocab=vocab,
         )
     return True
+
+
+# -- engine paths ----------------------------------------------------------------------------------
+
+
+def phase_paths(work: Path, smoke: bool, report: Report) -> bool:
+    """The engine's other paths on the device, each against a plain greedy run in float32 (bf16
+    logits differ between kernels, so only float32 makes token equality a fair check): n-gram
+    speculation (verify rows through the varlen kernel), prefix caching (a shared prefix, run
+    twice), and preemption (a KV cache too small for the batch)."""
+    from common.sampling_params import SamplingParams
+
+    vocab = json.loads((_model_path(work) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(3)
+    shared = [rng.randrange(3, vocab) for _ in range(40 if smoke else 300)]
+    motif = [rng.randrange(3, vocab) for _ in range(8 if smoke else 48)]
+    prompts = [shared + [rng.randrange(3, vocab) for _ in range(5 + i)] for i in range(4)]
+    prompts += [motif * 3 + [rng.randrange(3, vocab)] for _ in range(4)]  # copy-heavy
+    new = 16 if smoke else 96
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    base = dict(dtype="float32", max_model_len=128 if smoke else 1024, max_num_seqs=8)
+
+    def run(label: str, repeat: int = 1, **options) -> tuple[list[list[int]], object]:
+        llm = _llm(work, **(base | options))
+        if not _cuda():
+            llm.engine.runner.use_decode_graphs(capture=False)
+        started = time.perf_counter()
+        for _ in range(repeat):
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        stats = llm.engine.scheduler
+        record = dict(
+            path=label,
+            seconds=round(seconds, 2),
+            preemptions=stats.num_preemptions,
+            prefix_hit_tokens=stats.prefix_hits,
+        )
+        if stats.spec is not None:
+            spec = stats.spec.stats
+            record.update(draft_tokens=spec.draft_tokens, accepted_tokens=spec.accepted_tokens)
+        del llm
+        _free()
+        return [o.token_ids for o in outs], record
+
+    want, record = run("plain", enable_prefix_caching=False)
+    report.add(**record)
+    ok = True
+    block = 16
+    per_request = -(-(len(prompts[0]) + new) // block)
+    variants = [
+        ("ngram", dict(enable_prefix_caching=False, speculative="ngram")),
+        ("prefix_cache_twice", dict(enable_prefix_caching=True, repeat=2)),
+        ("preempt", dict(enable_prefix_caching=False, num_kv_blocks=per_request * 3)),
+    ]
+    for label, options in variants:
+        got, record = run(label, **options)
+        same = [g == w for g, w in zip(got, want)]
+        record["identical_requests"] = sum(same)
+        record["requests"] = len(same)
+        if label == "ngram":
+            record["ok"] = all(same) and record["accepted_tokens"] > 0
+        elif label == "preempt":
+            record["ok"] = all(same) and record["preemptions"] > 0
+        elif label == "prefix_cache_twice":
+            record["ok"] = all(same) and record["prefix_hit_tokens"] > 0
+        ok = ok and record["ok"]
+        report.add(**record)
+        print("paths:", record)
+    return ok
 
 
 # -- profile -------------------------------------------------------------------------------------
@@ -869,6 +970,24 @@ def phase_profile(work: Path, smoke: bool, report: Report) -> bool:
     tokens = sum(len(o.token_ids) for o in outs)
     top(prof, "throughput_slice", requests=count, output_tokens=tokens,
         seconds_under_profiler=round(seconds, 2), **steps.summary())  # fmt: skip
+
+    # The same slice under cProfile alone: which host functions a step's wall time goes to.
+    steps.reset()
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    profiler.enable()
+    outs = llm.generate(prompts[:count], params, use_tqdm=False)
+    profiler.disable()
+    seconds = time.perf_counter() - started
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(60)
+    summary = steps.summary()
+    save(
+        "host_throughput_slice", f"{count} requests, {seconds:.2f} s, {summary}\n{text.getvalue()}"
+    )
+    report.set(host_slice_seconds_under_cprofile=round(seconds, 2), host_slice_steps=summary)
     return True
 
 

@@ -13,6 +13,8 @@
 #               streams, no KV block leaked (its log comes back as serve.log)
 #   timing      decode attention / RMSNorm / rotary / the sampling race against the copy-bandwidth
 #               floor
+#   paths       n-gram speculation, prefix caching and preemption, each against plain greedy in
+#               float32: identical tokens
 #   profile     torch.profiler's top kernels (batch-1 decode, a slice of the workload) and
 #               cProfile of eager batch-1 forwards (profile_*.txt come back beside the JSON)
 # Results: $OUT/gpu_check.json (every phase, with exit status and wall time) and
@@ -63,7 +65,7 @@ torch.version.cuda, "transformers", transformers.__version__)'
 
 # phase, cap in seconds; each gets min(cap, what is left of the budget).
 PLAN=("model 90" "kernels 150" "hf 90" "decode 90" "throughput 150" "serve 120" "timing 60"
-  "profile 120")
+  "paths 120" "profile 120")
 ONLY=${GPU_CHECK_PHASES:-}  # e.g. "model decode profile": a re-run of a few phases
 for entry in "${PLAN[@]}"; do
   read -r phase cap <<<"$entry"

@@ -190,6 +190,11 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         _stop_all(children, drain_s=args.shutdown_timeout if exit_code == 0 else 0.0)
         shutil.rmtree(run_dir, ignore_errors=True)
+        # Stopped: a repeated SIGTERM or Ctrl-C has nothing left to do. Ignored, not left to
+        # on_signal, because interpreter shutdown resets Python-level handlers to the default,
+        # and a signal landing then killed the finished launcher (exit -15 instead of 0).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return exit_code
 
 

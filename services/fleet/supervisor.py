@@ -94,6 +94,9 @@ def serve_fleet(args: argparse.Namespace, argv: list[str], parser: argparse.Argu
         _stop_all(members, args.shutdown_timeout)
         if not args.run_dir:
             shutil.rmtree(run_root, ignore_errors=True)
+        # As services/launcher.py: a signal during interpreter shutdown must not kill us.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return exit_code
 
 

@@ -44,6 +44,9 @@ def test_gpu_check_smoke_runs_every_phase(tmp_path):
         "decode",
         "throughput",
         "timing",
+        "serve",
+        "paths",
+        "profile",
     }
     assert all(p["exit"] == "0" for p in phases.values())
 
@@ -51,6 +54,7 @@ def test_gpu_check_smoke_runs_every_phase(tmp_path):
     names = {r["kernel"] for r in kernels}
     assert {"decode", "decode_split", "prefill_paged", "causal", "varlen", "store_kv"} <= names
     assert {"rms_norm", "add_rms_norm", "qk_rms_norm", "rotary", "rotary_by_position"} <= names
+    assert "race" in names
     assert all(r["ok"] for r in kernels)
     assert all(r["generated_identical"] for r in phases["hf"]["records"])  # float32 on CPU
     decode = {r["cuda_graphs"]: r for r in phases["decode"]["records"]}
@@ -59,3 +63,15 @@ def test_gpu_check_smoke_runs_every_phase(tmp_path):
     throughput = phases["throughput"]
     assert throughput["output_tokens"] > 0 and throughput["graph_steps"] > 0
     assert {r["kernel"] for r in phases["timing"]["records"]} >= {"paged_decode_attention"}
+    serve = phases["serve"]
+    assert serve["bench"]["completed"] == serve["bench"]["num_prompts"]
+    assert serve["kv_free_blocks"] == serve["kv_total_blocks"]  # nothing leaked at idle
+    paths = {r["path"]: r for r in phases["paths"]["records"]}
+    assert set(paths) == {"plain", "ngram", "prefix_cache_twice", "preempt"}
+    assert paths["ngram"]["accepted_tokens"] > 0 and paths["preempt"]["preemptions"] > 0
+    assert all(r["identical_requests"] == r["requests"] for n, r in paths.items() if n != "plain")
+    profiles = {r["profile"]: r for r in phases["profile"]["records"]}
+    assert set(profiles) == {"decode_batch1", "throughput_slice"}
+    assert all(r["top"] for r in profiles.values())
+    for name in ("decode_batch1", "eager_host", "throughput_slice", "host_throughput_slice"):
+        assert (tmp_path / "out" / f"profile_{name}.txt").read_text().strip()

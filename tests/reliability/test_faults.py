@@ -175,3 +175,17 @@ def test_sigterm_lets_inflight_streams_finish(model, tmp_path):
             assert sum(len(e["choices"][0]["text"]) > 0 for e in events[:-1]) > 0
     finally:
         server.stop(expect=0)
+
+
+def test_repeated_sigterm_while_stopping_still_exits_0(model, tmp_path):
+    """A supervisor that repeats SIGTERM (or a user pressing Ctrl-C twice) must not turn a clean
+    stop into a kill: the signal is sent every 20 ms until the launcher is gone, through its
+    interpreter shutdown, where Python-level handlers are back to the default."""
+    server = Served(model, tmp_path / "run", tmp_path / "log", "--null-model")
+    try:
+        deadline = time.monotonic() + 60
+        while server.proc.poll() is None and time.monotonic() < deadline:
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.02)
+    finally:
+        server.stop(expect=0)
