@@ -1,14 +1,25 @@
 """In-process engine: scheduler core + model runner in one loop. Used by the offline `LLM`,
-tests and benchmarks; the services split the same two cores across processes."""
+tests and benchmarks; the services split the same two cores across processes.
+
+On CUDA the loop overlaps as the service set does (docs/overlap.md): the runner executes step N
+on a thread of its own while this thread plans N + 1 and applies N - 1's result, so the
+scheduler's and the caller's host work (the offline LLM detokenizes every step) runs while the
+device computes instead of between steps. The runner's thread waits on the device with the GIL
+released. On CPU the runner's torch threads want every core, so steps stay serial there unless
+`overlap=True` asks (the tests do, to check that both orders give the same tokens)."""
 
 from __future__ import annotations
 
 import _thread
+import collections
+import contextlib
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from common.config import EngineConfig
 from common.ipc import encoder
+from common.messages import StepPlan, StepResult
 from common.sampling_params import SamplingParams
 from common.validation import check_request
 from services.scheduler.block_manager import BlockManager
@@ -20,7 +31,7 @@ from services.worker.parallel.ranks import Ranks
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, overlap: bool | None = None) -> None:
         self.config = config
         self.ranks: Ranks | None = None
         if config.tensor_parallel_size == 1:
@@ -49,6 +60,14 @@ class EngineCore:
             self.block_manager,
             SpecPolicy.from_config(config),
         )
+        if overlap is None:
+            overlap = self.runner.device.type == "cuda"
+        # Tensor-parallel ranks take plans in the order rank 0 runs them: kept serial.
+        self.overlap = overlap and self.ranks is None
+        self._runner_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="stoker-runner") if self.overlap else None
+        )
+        self._inflight: collections.deque[tuple[StepPlan, Future[StepResult]]] = collections.deque()
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
         max_tokens = check_request(
@@ -67,17 +86,50 @@ class EngineCore:
         return self.scheduler.abort(req_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        # A step still in flight has a result to apply (dropped if its requests are done).
+        return self.scheduler.has_unfinished() or bool(self._inflight)
 
     def close(self) -> None:
-        """End the other tensor-parallel ranks (a no-op with one rank)."""
+        """Finish the step in flight, stop the runner's thread, and end the other tensor-parallel
+        ranks (a no-op with one rank)."""
+        self._settle()
+        if self._runner_thread is not None:
+            self._runner_thread.shutdown()
+            self._runner_thread = None
+            self.overlap = False
         if self.ranks is not None:
             self._stop_ranks()
             self.ranks = None
 
     def step(self) -> list[RequestUpdate]:
-        plan = self.scheduler.schedule()
-        if self.ranks is not None:
-            self.ranks.send(encoder.encode(plan))
-        result = self.runner.execute(plan)
-        return self.scheduler.update(plan, result)
+        if not self.overlap:
+            plan = self.scheduler.schedule()
+            if self.ranks is not None:
+                self.ranks.send(encoder.encode(plan))
+            result = self.runner.execute(plan)
+            return self.scheduler.update(plan, result)
+        assert self._runner_thread is not None
+        try:
+            # Two plans in flight, as the scheduler service keeps: N + 1 is planned (its
+            # requests' next tokens are placeholders) and queued before N's result is waited on.
+            while len(self._inflight) < 2:
+                plan = self.scheduler.schedule()
+                if not (plan.num_requests or plan.finished_req_ids):
+                    break
+                self._inflight.append((plan, self._runner_thread.submit(self.runner.execute, plan)))
+                if not plan.num_requests:
+                    break
+            if not self._inflight:
+                return []
+            plan, result = self._inflight.popleft()
+            return self.scheduler.update(plan, result.result())
+        except BaseException:
+            self._settle()
+            raise
+
+    def _settle(self) -> None:
+        """Wait out the steps in flight and drop them (after an error, or on close)."""
+        while self._inflight:
+            _, result = self._inflight.popleft()
+            with contextlib.suppress(Exception):  # the error that stopped us is raised already
+                result.result()

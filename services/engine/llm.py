@@ -84,13 +84,17 @@ class _Pending:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_options) -> None:
+    def __init__(
+        self, model: str | None = None, overlap: bool | None = None, **engine_options
+    ) -> None:
+        """`overlap`: run each step on a runner thread while the next is planned (EngineCore;
+        None: on CUDA only)."""
         # Offline there is no TTFT to protect: no prompt-chunk cap unless asked (SmolLM2's
         # offline benchmark ran 3-4 % faster without the CPU serving default of 512; as vLLM,
         # whose offline LLM class also takes a larger step budget than its server).
         engine_options.setdefault("prefill_chunk_tokens", 0)
         config = EngineConfig(model=str(model or DEFAULT_MODEL), **engine_options)
-        self.engine = EngineCore(config)
+        self.engine = EngineCore(config, overlap)
         self.tokenizer = load_tokenizer(config.model)
         self._ids = itertools.count()
 

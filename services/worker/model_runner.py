@@ -27,6 +27,7 @@ from services.worker.drafter import Drafter
 from services.worker.eagle.config import is_eagle_head
 from services.worker.eagle.proposer import EagleProposer, refuse_tensor_parallel
 from services.worker.forward_timer import ForwardTimer
+from services.worker.host_copy import host_list, to_device
 from services.worker.kv_sizing import (
     GIB,
     cpu_kv_blocks,
@@ -338,7 +339,7 @@ class ModelRunner:
             hidden = graphs.run()
             if len(sampled) < len(chunks):
                 rows = [i for i, c in enumerate(chunks) if c.num_sampled]
-                hidden = hidden[torch.tensor(rows, device=self.device)]
+                hidden = hidden[to_device(rows, torch.int64, self.device)]
         else:
             assert inputs is not None
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
@@ -405,11 +406,13 @@ class ModelRunner:
                 )
         batch = batch_for(rows, self.model_cfg.vocab_size, self.device)
         if not groups:
-            tokens = [[t] for t in self.sampler(logits, batch).token_ids.tolist()]
+            tokens = [[t] for t in host_list(self.sampler(logits, batch).token_ids)]
         else:
             verified = iter(verify(logits, batch, groups, self.sampler.generator))
             plain = (
-                self.sampler(logits, batch).token_ids.tolist() if len(groups) < len(sampled) else []
+                host_list(self.sampler(logits, batch).token_ids)
+                if len(groups) < len(sampled)
+                else []
             )
             tokens = [
                 next(verified) if item.k else [plain[first]]

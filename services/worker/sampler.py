@@ -20,6 +20,7 @@ import torch
 from common.messages import TokenLogprobs
 from common.sampling_params import SamplingParams
 from kernels import dispatch
+from services.worker.host_copy import to_device
 from services.worker.sampling_noise import noise_rows, random_keys, seeded_key
 
 
@@ -85,23 +86,21 @@ class SamplingBatch:
         rand = [p for p, g in zip(params, greedy, strict=True) if not g]
 
         def f32(vals: list[float]) -> torch.Tensor:
-            return torch.tensor(vals, dtype=torch.float32, device=device)
+            return to_device(vals, torch.float32, device)
 
         no_top_k = all(p.top_k <= 0 or p.top_k >= V for p in rand)
         no_top_p = all(p.top_p >= 1.0 for p in rand)
         no_min_p = all(p.min_p <= 0.0 for p in rand)
         return cls(
             vocab_size=V,
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            greedy=to_device(greedy, torch.bool, device),
             temperature=f32(
                 [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
             ),
             top_k=None
             if no_top_k
-            else torch.tensor(
-                [p.top_k if 0 < p.top_k < V else V for p in params],
-                dtype=torch.int64,
-                device=device,
+            else to_device(
+                [p.top_k if 0 < p.top_k < V else V for p in params], torch.int64, device
             ),
             top_p=None if no_top_p else f32([p.top_p if p.top_p < 1.0 else 2.0 for p in params]),
             min_p=None if no_min_p else f32([p.min_p for p in params]),
@@ -256,7 +255,7 @@ class Sampler:
         if batch.seeded:
             rows = [row for row, _, _ in batch.seeded]
             own = [seeded_key(seed, position) for _, seed, position in batch.seeded]
-            keys[rows] = torch.tensor(own, dtype=torch.int64, device=like.device)
+            keys[rows] = to_device(own, torch.int64, like.device)
         return keys
 
 
