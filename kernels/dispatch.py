@@ -18,7 +18,8 @@ position p sees keys in (p - window, p]) and `softcap` (Gemma 2's score soft-cap
 off, on every path.
 
 Extra entry points with no reference twin: `paged_attention_varlen` (many prefill / verify /
-decode requests in one launch) and `apply_rotary_by_position` (cos/sin gathered in the kernel);
+decode requests in one launch), `apply_rotary_by_position` (cos/sin gathered in the kernel) and
+`qk_norm_rotary` (q/k RMSNorm and rotary in one launch);
 their torch fallbacks are built from the references. `race_sample` (the sampler's exponential
 race with its noise fused) returns None where no kernel applies: its torch twin lives with the
 noise, in services/worker/sampling_noise.py.
@@ -270,6 +271,22 @@ def apply_rotary(
         return _norm_rope().apply_rotary(q, k, cos, sin)
     out = cpu_ops.apply_rotary(q, k, cos, sin) if _use_native() else None
     return out if out is not None else _ref_rope.apply_rotary(q, k, cos, sin)
+
+
+def qk_norm_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary(rms_norm(q, q_weight), rms_norm(k, k_weight), cos, sin): one triton launch
+    where the weights share q's dtype, three calls elsewhere."""
+    if _use_triton(q, k, q_weight, k_weight):
+        return _norm_rope().qk_norm_rotary(q, k, q_weight, k_weight, eps, cos, sin)
+    return apply_rotary(rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos, sin)
 
 
 def apply_rotary_by_position(

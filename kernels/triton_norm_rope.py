@@ -13,7 +13,9 @@ them under the triton interpreter.
   ([T, D], the reference contract) or gathered in the kernel from the [max_pos, D] tables by
   `positions` (`apply_rotary_by_position`). Llama-3 and linear scaling live in the tables. The
   arithmetic is float32 with one rounding at the end (the reference rounds each product when
-  inputs are 16-bit, so 16-bit results may differ from it by an ulp).
+  inputs are 16-bit, so 16-bit results may differ from it by an ulp). `qk_norm_rotary` also
+  RMS-normalises each head first (q/k norm), saving two launches a layer: on an H200 a triton
+  launch costs 45-68 us of host time in an eager step (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -150,6 +152,8 @@ def add_rms_norm(
 def _rotate_heads(
     X,
     XO,
+    W,
+    eps,
     t,
     stride_xt,
     stride_xh,
@@ -159,15 +163,30 @@ def _rotate_heads(
     sin2,
     NUM_HEADS: tl.constexpr,
     HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
     h = tl.arange(0, BLOCK_H)
     c = tl.arange(0, BLOCK_HALF)
-    mask = (h < NUM_HEADS)[:, None] & (c < HALF)[None, :]
+    c_mask = c < HALF
+    mask = (h < NUM_HEADS)[:, None] & c_mask[None, :]
     base = X + t * stride_xt + h[:, None] * stride_xh + c[None, :]
-    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
+    raw1 = tl.load(base, mask=mask, other=0.0)
+    raw2 = tl.load(base + HALF, mask=mask, other=0.0)
+    x1 = raw1.to(tl.float32)
+    x2 = raw2.to(tl.float32)
+    if HAS_NORM:
+        # Each head's RMSNorm first (Qwen3's q/k norm), with rms_norm's rounding steps: the
+        # normalised value in the input dtype, times the weight, rounded to the output dtype.
+        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+        rstd = tl.rsqrt(var + eps)[:, None]
+        w1 = tl.load(W + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(W + HALF + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * rstd).to(raw1.dtype).to(tl.float32) * w1).to(XO.dtype.element_ty)
+        x2 = ((x2 * rstd).to(raw2.dtype).to(tl.float32) * w2).to(XO.dtype.element_ty)
+        x1 = x1.to(tl.float32)
+        x2 = x2.to(tl.float32)
     out1 = x1 * cos1[None, :] - x2 * sin1[None, :]
     out2 = x2 * cos2[None, :] + x1 * sin2[None, :]
     obase = XO + t * (NUM_HEADS * 2 * HALF) + h[:, None] * (2 * HALF) + c[None, :]
@@ -184,6 +203,9 @@ def _rotary_kernel(
     POS,
     QO,
     KO,
+    QW,
+    KW,
+    eps,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -194,6 +216,7 @@ def _rotary_kernel(
     NUM_K_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     HAS_POS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
@@ -214,6 +237,8 @@ def _rotary_kernel(
     _rotate_heads(
         Q,
         QO,
+        QW,
+        eps,
         t,
         stride_qt,
         stride_qh,
@@ -223,12 +248,15 @@ def _rotary_kernel(
         sin2,
         NUM_Q_HEADS,
         HALF,
+        HAS_NORM,
         BLOCK_HQ,
         BLOCK_HALF,
     )
     _rotate_heads(
         K,
         KO,
+        KW,
+        eps,
         t,
         stride_kt,
         stride_kh,
@@ -238,17 +266,26 @@ def _rotary_kernel(
         sin2,
         NUM_K_HEADS,
         HALF,
+        HAS_NORM,
         BLOCK_HK,
         BLOCK_HALF,
     )
 
 
-def _launch_rotary(q, k, cos, sin, positions):
+def _launch_rotary(q, k, cos, sin, positions, norm=None):
+    """norm: (q_weight, k_weight, eps) to RMS-normalise each head first, or None."""
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError("q must be [T, Hq, D] and k [T, Hk, D]")
     num_tokens, num_q_heads, head_dim = q.shape
     if head_dim % 2:
         raise ValueError("head_dim must be even")
+    q_w, k_w, eps = norm if norm is not None else (q, k, 0.0)
+    if norm is not None:
+        if q_w.shape != (head_dim,) or k_w.shape != (head_dim,):
+            raise ValueError(f"q/k norm weights must be [{head_dim}]")
+        if q_w.dtype != q.dtype or k_w.dtype != k.dtype:
+            raise ValueError("q/k norm weights must have q's and k's dtype")
+        q_w, k_w = q_w.contiguous(), k_w.contiguous()
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     cos = cos if cos.stride(-1) == 1 else cos.contiguous()
@@ -266,6 +303,9 @@ def _launch_rotary(q, k, cos, sin, positions):
         positions if positions is not None else cos,
         q_out,
         k_out,
+        q_w,
+        k_w,
+        float(eps),
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -276,6 +316,7 @@ def _launch_rotary(q, k, cos, sin, positions):
         NUM_K_HEADS=k.shape[1],
         HALF=half,
         HAS_POS=positions is not None,
+        HAS_NORM=norm is not None,
         BLOCK_HQ=triton.next_power_of_2(num_q_heads),
         BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         BLOCK_HALF=triton.next_power_of_2(half),
@@ -301,3 +342,18 @@ def apply_rotary_by_position(
     """As apply_rotary with cos = cos_table[positions], gathered inside the kernel (the float32
     tables are read directly; no per-step gather or cast)."""
     return _launch_rotary(q, k, cos_table, sin_table, positions)
+
+
+def qk_norm_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary(rms_norm(q, q_weight), rms_norm(k, k_weight), cos, sin) in one launch
+    instead of three (weights in q's dtype). The head's sum of squares is taken in halves, so a
+    result may differ from the three-launch chain by an ulp."""
+    return _launch_rotary(q, k, cos, sin, None, (q_weight, k_weight, eps))

@@ -384,6 +384,43 @@ def test_rotary_bfloat16():
         torch.testing.assert_close(got.float(), want.float(), **TOL_16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group, head_dim", [(1, 64), (4, 128), (3, 96)])
+def test_qk_norm_rotary_matches_the_three_launches(dtype, group, head_dim):
+    """One launch for q norm, k norm and rotary: the values of rms_norm then apply_rotary
+    (triton), within an ulp (the head's sum of squares is taken in halves), and of the torch
+    references; q and k may be strided views of one fused qkv row, as the model passes them."""
+    gen = _gen("qk-norm-rope", dtype, group, head_dim)
+    tokens, kv_heads = 5, 2
+    q_size, kv_size = kv_heads * group * head_dim, kv_heads * head_dim
+    qkv = _randn(gen, tokens, q_size + 2 * kv_size, dtype=dtype) * 3
+    q = qkv[:, :q_size].view(tokens, kv_heads * group, head_dim)
+    k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
+    q_w, k_w = (1 + _randn(gen, head_dim) / 4).to(dtype), (1 + _randn(gen, head_dim) / 4).to(dtype)
+    cos_table, sin_table = ref_rope.rope_cos_sin(ref_rope.rope_inv_freq(head_dim, 1e6, None), 64)
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    cos, sin = cos_table[positions].to(dtype), sin_table[positions].to(dtype)
+    got = tn.qk_norm_rotary(q, k, q_w, k_w, 1e-6, cos, sin)
+    chain = tn.apply_rotary(tn.rms_norm(q, q_w, 1e-6), tn.rms_norm(k, k_w, 1e-6), cos, sin)
+    want = ref_rope.apply_rotary(
+        ref_norm.rms_norm(q, q_w, 1e-6), ref_norm.rms_norm(k, k_w, 1e-6), cos, sin
+    )
+    ulp = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-2)
+    for g, c, w in zip(got, chain, want):
+        assert g.dtype == dtype and g.shape == c.shape
+        torch.testing.assert_close(g.float(), c.float(), **ulp)
+        torch.testing.assert_close(
+            g.float(), w.float(), **(TOL if dtype == torch.float32 else TOL_16)
+        )
+
+
+def test_qk_norm_rotary_refuses_weights_of_another_dtype():
+    q, k = torch.zeros(2, 4, 64, dtype=torch.bfloat16), torch.zeros(2, 2, 64, dtype=torch.bfloat16)
+    cos = torch.ones(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype"):
+        tn.qk_norm_rotary(q, k, torch.ones(64), torch.ones(64), 1e-6, cos, cos)
+
+
 # -- sampling race ---------------------------------------------------------------------------------
 
 
@@ -468,6 +505,9 @@ def test_dispatch_forced_triton_matches_torch_path():
         "rms_norm": lambda: dispatch.rms_norm(x, weight, 1e-6),
         "add_rms_norm": lambda: dispatch.add_rms_norm(x, residual, weight, 1e-6),
         "rotary": lambda: dispatch.apply_rotary_by_position(q, k, cos_table, sin_table, positions),
+        "qk_norm_rotary": lambda: dispatch.qk_norm_rotary(
+            q, k, weight, -weight, 1e-6, cos_table[positions], sin_table[positions]
+        ),
         "decode": lambda: dispatch.paged_decode_attention(
             q[:2], kc, vc, tables, torch.tensor([20, 7]), 0.125
         ),
@@ -545,7 +585,7 @@ def test_tiny_model_forced_triton_matches_torch(tmp_path, monkeypatch):
         "causal_attention",
         "rms_norm",
         "add_rms_norm",
-        "apply_rotary",
+        "qk_norm_rotary",
     )
     for name in kernels:
         monkeypatch.setattr(layers, name, getattr(dispatch, name))
@@ -562,7 +602,7 @@ def test_tiny_model_forced_triton_matches_torch(tmp_path, monkeypatch):
 
     for name in ("store_kv", "paged_decode_attention", "paged_prefill_attention"):
         counting(ta, name)
-    for name in ("causal_attention", "rms_norm", "add_rms_norm", "apply_rotary"):
+    for name in ("causal_attention", "rms_norm", "add_rms_norm", "qk_norm_rotary"):
         counting(ta if name == "causal_attention" else tn, name)
     with dispatch.force_triton():
         got_ids, got_lps = run()
@@ -637,6 +677,8 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         cos = torch.empty(4, d)
         tn.apply_rotary(q, q[:, :hk], cos, cos)
         tn.apply_rotary_by_position(q, q[:, :hk], cos, cos, lens)
+        w = torch.empty(d, dtype=dtype)
+        tn.qk_norm_rotary(q, q[:, :hk], w, w, 1e-6, cos.to(dtype), cos.to(dtype))
     for hidden in (128, 4096, 8192):
         x = torch.empty(2, hidden, dtype=dtype)
         tn.rms_norm(x, torch.empty(hidden, dtype=dtype), 1e-6)

@@ -22,6 +22,7 @@ from kernels.dispatch import (  # triton on CUDA, the torch references elsewhere
     causal_attention,
     paged_decode_attention,
     paged_prefill_attention,
+    qk_norm_rotary,
     rms_norm,
     store_kv,
 )
@@ -134,10 +135,13 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, self.eps)
-            k = rms_norm(k, self.k_norm, self.eps)
-        q, k = self._rotary(q, k, *rope)
+        if self.q_norm is not None and self.rotary_dim == self.head_dim:
+            q, k = qk_norm_rotary(q, k, self.q_norm, self.k_norm, self.eps, *rope)
+        else:
+            if self.q_norm is not None:
+                q = rms_norm(q, self.q_norm, self.eps)
+                k = rms_norm(k, self.k_norm, self.eps)
+            q, k = self._rotary(q, k, *rope)
         with span("attention"):  # a no-op unless the profiler runs (common/profiling.py)
             attn = self._attention(q, k, v, kv_cache, meta)
         return linear(attn.view(num_tokens, self.q_size), self.o_proj)
