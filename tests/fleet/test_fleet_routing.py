@@ -59,11 +59,14 @@ def round_robin(fleet):
         proc.wait(timeout=30)
 
 
-async def _send(url: str, prompts: list[str], max_tokens: int = 4) -> list[tuple]:
-    """(start, end, error or None) per request, CONCURRENCY at a time."""
+async def _send(
+    url: str, prompts: list[str], max_tokens: int = 4, results: list[tuple] | None = None
+) -> list[tuple]:
+    """(start, end, error or None) per request, CONCURRENCY at a time, appended to `results`
+    (a caller's list lets it watch the load's progress) as each ends."""
     client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
     gate = asyncio.Semaphore(CONCURRENCY)
-    results: list[tuple] = []
+    results = [] if results is None else results
 
     async def one(prompt: str) -> None:
         async with gate:
@@ -113,13 +116,19 @@ def test_killed_replica_is_routed_around_and_rejoins_when_restarted(fleet):
     prompts = shared_prefix_prompts(16, 10, seed=303)
 
     async def load_and_kill() -> tuple[float, list[tuple]]:
+        done: list[tuple] = []
+
         async def killer() -> float:
-            await asyncio.sleep(1.0)
+            # Once a round of requests has finished, whatever the box's speed (a fixed second
+            # was longer than the whole load on a fast box), so most of the load comes after.
+            deadline = time.monotonic() + 60
+            while len(done) < CONCURRENCY and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
             _kill_replica(fleet, victim)
             return time.monotonic()
 
         # Long enough answers that requests are in flight on the victim when it goes.
-        killed, results = await asyncio.gather(killer(), _send(fleet.url, prompts, 16))
+        killed, results = await asyncio.gather(killer(), _send(fleet.url, prompts, 16, done))
         return killed, results
 
     killed_at, results = asyncio.run(load_and_kill())
