@@ -543,7 +543,12 @@ def phase_decode(work: Path, smoke: bool, report: Report) -> bool:
     tokens = {}
     for graphs in (True, False):
         llm = _llm(
-            work, max_model_len=2048, max_num_seqs=1, num_kv_blocks=256, enforce_eager=not graphs
+            work,
+            max_model_len=2048,
+            max_num_seqs=1,
+            num_kv_blocks=256,
+            enforce_eager=not graphs,
+            overlap=True if smoke else None,  # the smoke run exercises the overlapped loop too
         )
         runner = llm.engine.runner
         if graphs and not _cuda():
@@ -561,6 +566,14 @@ def phase_decode(work: Path, smoke: bool, report: Report) -> bool:
             out = llm.generate([prompt], SamplingParams(max_tokens=new, **greedy), use_tqdm=False)
             totals.append(time.perf_counter() - started)
         tokens[graphs] = out[0].token_ids
+        step_times = steps.summary()  # before the serial comparison below adds its steps
+        serial_ms = None
+        if graphs and llm.engine.overlap:  # the same engine with its loop serial, for comparison
+            llm.engine.overlap = False
+            started = time.perf_counter()
+            llm.generate([prompt], SamplingParams(max_tokens=new, **greedy), use_tqdm=False)
+            serial_ms = (time.perf_counter() - started - min(firsts)) / (new - 1) * 1e3
+            llm.engine.overlap = True
         # The model forward alone at batch 1, context ~len(prompt): replay vs eager launches.
         blocks = list(range(-(-(len(prompt) + 1) // runner.block_size)))
         forward = _batch1_forward(runner, Chunk([5], len(prompt), blocks, 1), dev)
@@ -568,12 +581,14 @@ def phase_decode(work: Path, smoke: bool, report: Report) -> bool:
             forward_s = bench(forward, iters=5 if smoke else 100)
         report.add(
             cuda_graphs=graphs,
+            overlap=llm.engine.overlap,
+            serial_loop_ms_per_token=None if serial_ms is None else round(serial_ms, 3),
             captured=runner.graphs is not None and runner.graphs._entries[1].graph is not None,
             ms_per_token=round((min(totals) - min(firsts)) / (new - 1) * 1e3, 3),
             one_token_ms_runs=[round(t * 1e3, 2) for t in firsts],
             all_tokens_ms_runs=[round(t * 1e3, 2) for t in totals],
             forward_only_ms=round(forward_s * 1e3, 3),
-            **steps.summary(),
+            **step_times,
         )
         print("decode:", report.data["records"][-1])
         del llm, runner
@@ -624,7 +639,7 @@ def phase_throughput(work: Path, smoke: bool, report: Report) -> bool:
     options = dict(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384)
     if smoke:
         options = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
-    llm = _llm(work, **options)
+    llm = _llm(work, **options, overlap=True if smoke else None)
     runner = llm.engine.runner
     if not _cuda():
         runner.use_decode_graphs(capture=False)
@@ -652,6 +667,14 @@ def phase_throughput(work: Path, smoke: bool, report: Report) -> bool:
         preemptions=llm.engine.scheduler.num_preemptions,
         **steps.summary(),
     )
+    if llm.engine.overlap:  # the same engine, drained, with its loop serial: what overlap buys
+        llm.engine.overlap = False
+        started = time.perf_counter()
+        serial = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        llm.engine.overlap = True
+        serial_tokens = sum(len(o.token_ids) for o in serial)
+        report.set(overlap=True, serial_loop_output_tok_s=round(serial_tokens / seconds, 1))
     print("throughput:", {k: v for k, v in report.data.items() if k != "records"})
     return out_tokens == sum(p.max_tokens for p in params)
 

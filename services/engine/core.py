@@ -62,7 +62,9 @@ class EngineCore:
         )
         if overlap is None:
             overlap = self.runner.device.type == "cuda"
-        # Tensor-parallel ranks take plans in the order rank 0 runs them: kept serial.
+        # Tensor-parallel ranks take plans in the order rank 0 runs them: kept serial. An
+        # overlapped engine may be switched to serial steps (False) while nothing is in flight
+        # (benchmarks compare the two on one engine).
         self.overlap = overlap and self.ranks is None
         self._runner_thread = (
             ThreadPoolExecutor(1, thread_name_prefix="stoker-runner") if self.overlap else None

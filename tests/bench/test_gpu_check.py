@@ -62,6 +62,8 @@ def test_gpu_check_smoke_runs_every_phase(tmp_path):
     assert phases["decode"]["identical_tokens_with_and_without_graphs"]
     throughput = phases["throughput"]
     assert throughput["output_tokens"] > 0 and throughput["graph_steps"] > 0
+    assert throughput["overlap"] and throughput["serial_loop_output_tok_s"] > 0
+    assert decode[True]["overlap"] and decode[True]["serial_loop_ms_per_token"] > 0
     assert {r["kernel"] for r in phases["timing"]["records"]} >= {"paged_decode_attention"}
     serve = phases["serve"]
     assert serve["bench"]["completed"] == serve["bench"]["num_prompts"]
