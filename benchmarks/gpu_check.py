@@ -795,6 +795,23 @@ def phase_timing(work: Path, smoke: bool, report: Report) -> bool:
             lambda q=q, k=k, c=cos, s=sin: dispatch.apply_rotary(q, k, c, s),
             tokens=tokens,
         )
+        # Qwen3's q/k norm and rotary: one launch against the three it replaced.
+        qw, kw = randn(head_dim), randn(head_dim)
+        nbytes = (2 * (num_q + num_kv) + 2) * tokens * head_dim * elem
+
+        def chain(q=q, k=k, c=cos, s=sin, qw=qw, kw=kw):
+            q, k = dispatch.rms_norm(q, qw, 1e-6), dispatch.rms_norm(k, kw, 1e-6)
+            return dispatch.apply_rotary(q, k, c, s)
+
+        record("qk_norm_then_rotary_3_launches", nbytes, chain, tokens=tokens)
+        record(
+            "qk_norm_rotary",
+            nbytes,
+            lambda q=q, k=k, c=cos, s=sin, qw=qw, kw=kw: dispatch.qk_norm_rotary(
+                q, k, qw, kw, 1e-6, c, s
+            ),
+            tokens=tokens,
+        )
     # The sampler's race: the fused kernel against the materialised noise it replaced on CUDA.
     from services.worker.sampling_noise import noise_rows
 
