@@ -253,6 +253,7 @@ def _kernel_cases(smoke: bool):
         for name in ("rms_norm", "add_rms_norm", "qk_rms_norm"):
             cases.append((name, dtype, 1, 128, 16, sizes))
     cases.append(("race", torch.float32, 1, 128, 16, sizes))
+    cases += [("silu_and_mul", dtype, 1, 128, 16, sizes) for dtype in dtypes]
     only = os.environ.get("GPU_CHECK_KERNELS")  # e.g. "rotary,race": a re-run of a few
     if only:
         cases = [c for c in cases if c[0] in only.split(",")]
@@ -288,6 +289,15 @@ def _check_kernel(name, dtype, group, head_dim, bs, sizes, gen) -> tuple[float, 
         return torch.randint(1, hi + 1, (count,), generator=gen, device=dev)
 
     tol = TOL[dtype]
+    if name == "silu_and_mul":
+        from kernels import activation as ref_act
+        from kernels import triton_activation as tact
+
+        gate_up = randn(sizes["tokens"], 2 * (3072 if sizes["tokens"] > 100 else 96)) * 4
+        got, want = tact.silu_and_mul(gate_up), ref_act.silu_and_mul(gate_up)
+        got, want = got.float(), want.float()
+        err = (got - want).abs().nan_to_num(float("inf")).max().item()
+        return err, bool(torch.allclose(got, want, **tol))
     if name == "race":
         # The fused sampling race against the materialised torch-twin noise: same noise bits,
         # so a different pick is allowed only at a near tie (the log and division may differ
@@ -811,6 +821,16 @@ def phase_timing(work: Path, smoke: bool, report: Report) -> bool:
                 q, k, qw, kw, 1e-6, c, s
             ),
             tokens=tokens,
+        )
+    # The gated MLP's activation: one pass against torch's silu then mul.
+    from kernels import activation as ref_act
+
+    for tokens in (1, 8) if smoke else (1, 256, 4096):
+        gate_up = randn(tokens, 2 * (96 if smoke else 3072))
+        nbytes = 3 * tokens * gate_up.shape[1] // 2 * elem
+        record("silu_and_mul", nbytes, lambda x=gate_up: dispatch.silu_and_mul(x), tokens=tokens)
+        record(
+            "silu_then_mul_torch", nbytes, lambda x=gate_up: ref_act.silu_and_mul(x), tokens=tokens
         )
     # The sampler's race: the fused kernel against the materialised noise it replaced on CUDA.
     from services.worker.sampling_noise import noise_rows

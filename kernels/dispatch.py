@@ -36,6 +36,7 @@ from types import ModuleType
 
 import torch
 
+from kernels import activation as _ref_act
 from kernels import cpu_ops
 from kernels import paged_attention as _ref_attn
 from kernels import rms_norm as _ref_norm
@@ -48,13 +49,13 @@ _forced: str | None = None  # None: automatic; "triton" or "torch": forced
 
 
 @functools.cache
-def _triton_modules() -> tuple[ModuleType, ModuleType, ModuleType] | None:
+def _triton_modules() -> tuple[ModuleType, ModuleType, ModuleType, ModuleType] | None:
     try:
-        from kernels import triton_attention, triton_norm_rope, triton_sampling
+        from kernels import triton_activation, triton_attention, triton_norm_rope, triton_sampling
     except ImportError as e:  # triton not installed (CPU-only install): references only
         log.info("triton kernels unavailable, using torch references: %s", e)
         return None
-    return triton_attention, triton_norm_rope, triton_sampling
+    return triton_attention, triton_norm_rope, triton_sampling, triton_activation
 
 
 def triton_available() -> bool:
@@ -122,6 +123,12 @@ def _sampling() -> ModuleType:
     modules = _triton_modules()
     assert modules is not None
     return modules[2]
+
+
+def _activation() -> ModuleType:
+    modules = _triton_modules()
+    assert modules is not None
+    return modules[3]
 
 
 # -- attention -----------------------------------------------------------------------------------
@@ -304,6 +311,16 @@ def apply_rotary_by_position(
     cos = cos_table[positions].to(q.dtype)
     sin = sin_table[positions].to(q.dtype)
     return apply_rotary(q, k, cos, sin)
+
+
+# -- activation ----------------------------------------------------------------------------------
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [..., 2 * inter]: one triton pass on CUDA."""
+    if _use_triton(gate_up):
+        return _activation().silu_and_mul(gate_up)
+    return _ref_act.silu_and_mul(gate_up)
 
 
 # -- sampling ------------------------------------------------------------------------------------

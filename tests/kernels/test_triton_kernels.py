@@ -28,16 +28,19 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from kernels import activation as ref_act  # noqa: E402
 from kernels import dispatch  # noqa: E402
 from kernels import paged_attention as ref_attn  # noqa: E402
 from kernels import rms_norm as ref_norm  # noqa: E402
 from kernels import rotary as ref_rope  # noqa: E402
+from kernels import triton_activation as tact  # noqa: E402
 from kernels import triton_attention as ta  # noqa: E402
 from kernels import triton_norm_rope as tn  # noqa: E402
 from kernels import triton_sampling as ts  # noqa: E402
 
 if type(ta._decode_kernel).__name__ != "InterpretedFunction":  # imported earlier, compiled mode
     ta, tn, ts = importlib.reload(ta), importlib.reload(tn), importlib.reload(ts)
+    tact = importlib.reload(tact)
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -61,6 +64,7 @@ def poisoned_buffers(monkeypatch):
 
     monkeypatch.setattr(ta, "_empty", nan_empty)
     monkeypatch.setattr(tn, "_empty", nan_empty)
+    monkeypatch.setattr(tact, "_empty", nan_empty)
 
 
 def _gen(*case) -> torch.Generator:
@@ -421,6 +425,20 @@ def test_qk_norm_rotary_refuses_weights_of_another_dtype():
         tn.qk_norm_rotary(q, k, torch.ones(64), torch.ones(64), 1e-6, cos, cos)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 2 * 96), (7, 2 * 1536), (2, 3, 2 * 40)])
+def test_silu_and_mul_matches_reference(dtype, shape):
+    """One pass over gate_up: the reference's rounding steps (silu rounded to the dtype, then the
+    product), including a width that is not a multiple of the block and a 3-D batch."""
+    gate_up = _randn(_gen("silu", dtype, shape), *shape, dtype=dtype) * 4
+    got = tact.silu_and_mul(gate_up)
+    want = ref_act.silu_and_mul(gate_up)
+    assert got.shape == want.shape and got.dtype == dtype
+    torch.testing.assert_close(
+        got.float(), want.float(), **(TOL if dtype == torch.float32 else TOL_16)
+    )
+
+
 # -- sampling race ---------------------------------------------------------------------------------
 
 
@@ -505,6 +523,7 @@ def test_dispatch_forced_triton_matches_torch_path():
         "rms_norm": lambda: dispatch.rms_norm(x, weight, 1e-6),
         "add_rms_norm": lambda: dispatch.add_rms_norm(x, residual, weight, 1e-6),
         "rotary": lambda: dispatch.apply_rotary_by_position(q, k, cos_table, sin_table, positions),
+        "silu_and_mul": lambda: dispatch.silu_and_mul(torch.cat([x, residual], dim=-1)),
         "qk_norm_rotary": lambda: dispatch.qk_norm_rotary(
             q, k, weight, -weight, 1e-6, cos_table[positions], sin_table[positions]
         ),
@@ -586,6 +605,7 @@ def test_tiny_model_forced_triton_matches_torch(tmp_path, monkeypatch):
         "rms_norm",
         "add_rms_norm",
         "qk_norm_rotary",
+        "silu_and_mul",
     )
     for name in kernels:
         monkeypatch.setattr(layers, name, getattr(dispatch, name))
@@ -604,6 +624,7 @@ def test_tiny_model_forced_triton_matches_torch(tmp_path, monkeypatch):
         counting(ta, name)
     for name in ("causal_attention", "rms_norm", "add_rms_norm", "qk_norm_rotary"):
         counting(ta if name == "causal_attention" else tn, name)
+    counting(tact, "silu_and_mul")
     with dispatch.force_triton():
         got_ids, got_lps = run()
     assert set(counts) == set(kernels), counts  # every kernel ran on triton
@@ -622,6 +643,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import triton_attention as ta, triton_norm_rope as tn, triton_sampling as ts
+from kernels import triton_activation as tact
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 BACKEND = triton.compiler.make_backend(TARGET)
@@ -655,7 +677,7 @@ class Compile:
         return launch
 
 
-for module in (ta, tn, ts):
+for module in (ta, tn, ts, tact):
     for name, obj in list(vars(module).items()):
         if name.endswith("_kernel") and isinstance(obj, triton.runtime.JITFunction):
             setattr(module, name, Compile(obj))  # launched kernels; jit helpers stay
@@ -684,6 +706,7 @@ for dtype in (torch.float32, torch.float16, torch.bfloat16):
         tn.rms_norm(x, torch.empty(hidden, dtype=dtype), 1e-6)
         tn.add_rms_norm(x, x, torch.empty(hidden, dtype=dtype), 1e-6)
     tn.rms_norm(torch.empty(2, 4, 128, dtype=dtype), torch.empty(128), 1e-6)
+    tact.silu_and_mul(torch.empty(2, 2 * 3072, dtype=dtype))
 ts.race_sample(torch.empty(2, 151936), torch.zeros(2, dtype=torch.int64))
 print("ok", len(built))
 """

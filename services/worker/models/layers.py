@@ -24,6 +24,7 @@ from kernels.dispatch import (  # triton on CUDA, the torch references elsewhere
     paged_prefill_attention,
     qk_norm_rotary,
     rms_norm,
+    silu_and_mul,
     store_kv,
 )
 from kernels import cpu_ops
@@ -214,7 +215,10 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        gate_up = linear(x, self.gate_up_proj)
+        if self.act is F.silu:  # one pass, one launch on CUDA (kernels/triton_activation.py)
+            return linear(silu_and_mul(gate_up), self.down_proj)
+        gate, up = gate_up.chunk(2, dim=-1)
         return linear(self.act(gate) * up, self.down_proj)
 
 
