@@ -107,28 +107,27 @@ def backend_for(x: torch.Tensor) -> str:
     return "triton" if _use_triton(x) else "torch"
 
 
-def _attn() -> ModuleType:
+def _triton(index: int) -> ModuleType:
+    """Module `index` of _triton_modules(); only called once _use_triton said yes."""
     modules = _triton_modules()
     assert modules is not None
-    return modules[0]
+    return modules[index]
+
+
+def _attn() -> ModuleType:
+    return _triton(0)
 
 
 def _norm_rope() -> ModuleType:
-    modules = _triton_modules()
-    assert modules is not None
-    return modules[1]
+    return _triton(1)
 
 
 def _sampling() -> ModuleType:
-    modules = _triton_modules()
-    assert modules is not None
-    return modules[2]
+    return _triton(2)
 
 
 def _activation() -> ModuleType:
-    modules = _triton_modules()
-    assert modules is not None
-    return modules[3]
+    return _triton(3)
 
 
 # -- attention -----------------------------------------------------------------------------------
