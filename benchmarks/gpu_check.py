@@ -1054,91 +1054,54 @@ def phase_profile(work: Path, smoke: bool, report: Report) -> bool:
 # -- serve ---------------------------------------------------------------------------------------
 
 
-def _http_json(url: str, body: dict | None = None, timeout: float = 60) -> dict:
+def _http_json(url: str, body: dict) -> dict:
     import urllib.request
 
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"} if body is not None else {}
-    with urllib.request.urlopen(urllib.request.Request(url, data, headers), timeout=timeout) as r:
+    request = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as r:
         return json.loads(r.read())
-
-
-def _metric(text: str, name: str) -> float | None:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.split()[-1])
-    return None
 
 
 def phase_serve(work: Path, smoke: bool, report: Report) -> bool:
     """The whole service set on the device: api, tokenizer, scheduler and worker as their own
-    processes over ZMQ, driven over HTTP by `stoker bench serve` (aiohttp)."""
-    import signal
-    import socket
-    import subprocess
-    import tempfile
-    import urllib.request
+    processes over ZMQ, driven over HTTP by `stoker bench serve` (aiohttp), through
+    benchmarks/serving.py's server handle."""
+    from serving import Server, bench, metric_sum
 
-    from services.bench.serve import main as bench_main
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = f"http://127.0.0.1:{port}"
     vocab = json.loads((_model_path(work) / "config.json").read_text())["vocab_size"]
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(_model_path(work))]
-    cmd += ["--port", str(port), "--device", str(_device()), "--dtype", _dtype_name()]
-    cmd += ["--max-model-len", "1024"]
+    flags = ["--device", str(_device()), "--dtype", _dtype_name(), "--max-model-len", "1024"]
     if smoke:
-        cmd += ["--max-num-seqs", "8"]
-    log = open(work / "serve.log", "w")  # noqa: SIM115
-    started = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+        flags += ["--max-num-seqs", "8"]
+    server = Server(str(_model_path(work)), flags, log=work / "serve.log")
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"stoker serve exited with {proc.returncode}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except Exception:
-                time.sleep(0.2)
-        report.set(ready_s=round(time.perf_counter() - started, 1))
-        model = _http_json(base + "/v1/models")["data"][0]["id"]
+        report.set(ready_s=round(server.ready_s, 1))
+        base = f"http://127.0.0.1:{server.port}"
         one = _http_json(
             base + "/v1/completions",
-            dict(model=model, prompt="w5 w6 w7", max_tokens=8, temperature=0, ignore_eos=True),
+            dict(prompt="w5 w6 w7", max_tokens=8, temperature=0, ignore_eos=True),
         )
         report.set(completion=one["choices"][0]["text"], usage=one.get("usage"))
-        out = Path(tempfile.mkdtemp()) / "bench.json"
         count, streams = (8, 4) if smoke else (512, 128)
-        rc = bench_main([
-            "--port", str(port), "--result-json", str(out), "--disable-tqdm", "--ignore-eos",
+        result = bench(server, [
             "--random-input-len", "128", "--random-output-len", "128", "--num-prompts",
             str(count), "--max-concurrency", str(streams), "--metric-percentiles", "50,99",
             "--random-vocab-size", str(vocab),
         ])  # fmt: skip
-        result = json.loads(out.read_text())
-        report.set(bench={k: v for k, v in result.items() if not isinstance(v, list)})
+        report.set(bench=result)
         for _ in range(50):  # the scheduler's stats reach the api on its next report
-            metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-            free = _metric(metrics, "stoker:kv_cache_free_blocks")
-            total = _metric(metrics, "stoker:kv_cache_total_blocks")
+            metrics = server.metrics()
+            free = metric_sum(metrics, "stoker:kv_cache_free_blocks")
+            total = metric_sum(metrics, "stoker:kv_cache_total_blocks")
             if free == total:
                 break
             time.sleep(0.1)
         report.set(kv_free_blocks=free, kv_total_blocks=total)
         print("serve:", {k: v for k, v in report.data.items() if k != "records"})
-        return rc == 0 and result.get("completed") == count and free == total
+        return result.get("completed") == count and free == total
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        server.stop()
 
 
 # -- driver ----------------------------------------------------------------------------------------

@@ -55,7 +55,10 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float = 600) -> float:
 
 
 class Server:
-    def __init__(self, model: str, flags: list[str], peer: bool = False) -> None:
+    def __init__(
+        self, model: str, flags: list[str], peer: bool = False, log: Path | None = None
+    ) -> None:
+        """log: a file for the server's output (discarded without one)."""
         self.port = _free_port()
         if peer:
             cmd = [str(PEER / "serve.sh"), model, str(self.port), *flags]
@@ -63,8 +66,10 @@ class Server:
             cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model]
             cmd += ["--port", str(self.port), *flags, *EXTRA_FLAGS]
         self.started = time.monotonic()
+        self._log = open(log, "w") if log else None  # noqa: SIM115 (closed by stop)
+        out = self._log or subprocess.DEVNULL
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT if self._log else out,
             start_new_session=True,
         )  # fmt: skip
         health = "/health" if not peer else "/v1/models"
@@ -80,6 +85,8 @@ class Server:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
+        if self._log:
+            self._log.close()
 
 
 def bench(server: Server, args: list[str]) -> dict:

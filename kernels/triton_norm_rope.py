@@ -183,10 +183,9 @@ def _rotate_heads(
         rstd = tl.rsqrt(var + eps)[:, None]
         w1 = tl.load(W + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(W + HALF + c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
-        x1 = ((x1 * rstd).to(raw1.dtype).to(tl.float32) * w1).to(XO.dtype.element_ty)
-        x2 = ((x2 * rstd).to(raw2.dtype).to(tl.float32) * w2).to(XO.dtype.element_ty)
-        x1 = x1.to(tl.float32)
-        x2 = x2.to(tl.float32)
+        out_ty = XO.dtype.element_ty
+        x1 = ((x1 * rstd).to(raw1.dtype).to(tl.float32) * w1).to(out_ty).to(tl.float32)
+        x2 = ((x2 * rstd).to(raw2.dtype).to(tl.float32) * w2).to(out_ty).to(tl.float32)
     out1 = x1 * cos1[None, :] - x2 * sin1[None, :]
     out2 = x2 * cos2[None, :] + x1 * sin2[None, :]
     obase = XO + t * (NUM_HEADS * 2 * HALF) + h[:, None] * (2 * HALF) + c[None, :]

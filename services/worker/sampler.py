@@ -159,10 +159,10 @@ def penalties_for(
     uses the repetition penalty (the only one that reads the prompt)."""
     repetition = [p.repetition_penalty for p in params]
     return Penalties(
-        rows=torch.tensor(rows, dtype=torch.int64, device=device),
-        presence=torch.tensor([p.presence_penalty for p in params], device=device),
-        frequency=torch.tensor([p.frequency_penalty for p in params], device=device),
-        repetition=torch.tensor(repetition, device=device),
+        rows=to_device(rows, torch.int64, device),
+        presence=to_device([p.presence_penalty for p in params], torch.float32, device),
+        frequency=to_device([p.frequency_penalty for p in params], torch.float32, device),
+        repetition=to_device(repetition, torch.float32, device),
         output_counts=output_counts,
         prompt_seen=prompt_seen if any(r != 1.0 for r in repetition) else None,
     )
