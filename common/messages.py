@@ -7,6 +7,7 @@ preempted requests travel as ids. So a plan's size does not grow with context le
 
 from __future__ import annotations
 
+import struct
 import sys
 from array import array
 from collections.abc import Sequence
@@ -26,7 +27,12 @@ _SWAP = sys.byteorder != "little"  # array("i") is native-endian; the wire is li
 assert array("i").itemsize == 4
 
 
+_pack_one = struct.Struct("<i").pack
+
+
 def pack_ids(ids: Sequence[int] | np.ndarray) -> TokenIds:
+    if type(ids) is list and len(ids) == 1:  # a decode step's token: 3x cheaper than array
+        return _pack_one(ids[0])
     if isinstance(ids, np.ndarray):
         return ids.astype(_ID_DTYPE, copy=False).tobytes()
     buf = array("i", ids)  # ~3x cheaper than numpy for the few ids of a step's message

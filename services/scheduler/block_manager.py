@@ -177,21 +177,20 @@ class BlockManager:
             return []
         if need > self.num_free_blocks():
             return None  # checked up front so that failure changes nothing
-        new: list[int] = []
-        for _ in range(need):
-            if self._free:
-                b = self._free.pop()
-            else:  # evict the least recently freed cached block
-                b, _ = self._lru.popitem(last=False)
-                if self._events is not None:
-                    self._record_removed(self._reg[b])
-                self._unregister(b)
-            self._ref[b] = 1
-            new.append(b)
+        new = [self._take_block() for _ in range(need)]
         if seq is None:
             seq = self.seqs[seq_id] = SeqBlocks([], 0, _ROOT)
         seq.blocks.extend(new)
         return new
+
+    def append_block(self, seq_id: Hashable) -> list[int] | None:
+        """allocate_slots for one more block at the end of a held sequence (a decode that
+        filled its last block), without the general arithmetic; None if out of blocks."""
+        if not self._free and not self._lru:
+            return None
+        b = self._take_block()
+        self.seqs[seq_id].blocks.append(b)
+        return [b]
 
     def cache_blocks(
         self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int
@@ -298,6 +297,19 @@ class BlockManager:
         parent = self._reg[hits[-1]] if hits else _ROOT
         b = self._cached.get((parent, tuple(token_ids[i * bs : (i + 1) * bs])))
         return b is not None and b in self._fresh
+
+    def _take_block(self) -> int:
+        """A block for a sequence (ref 1): a free one, else the least recently freed cached one,
+        evicted. The caller has checked that one exists."""
+        if self._free:
+            b = self._free.pop()
+        else:
+            b, _ = self._lru.popitem(last=False)
+            if self._events is not None:
+                self._record_removed(self._reg[b])
+            self._unregister(b)
+        self._ref[b] = 1
+        return b
 
     def _unregister(self, b: int) -> None:
         key = self._key[b]

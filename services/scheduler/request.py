@@ -28,6 +28,8 @@ class Request:
         "params",
         "max_tokens",
         "token_limit",
+        "decode_until",
+        "hash_at_len",
         "stop_ids",
         "status",
         "num_computed_tokens",
@@ -62,6 +64,13 @@ class Request:
         self.params = params
         self.max_tokens = max_tokens
         self.token_limit = 0  # the scheduler's: min(prompt_len + max_tokens, max_model_len)
+        # The scheduler's steady-decode fast path (scheduler.py): while num_computed_tokens is
+        # below decode_until, the request decodes one token a step into a block it holds, below
+        # its limit, and at equality it needs one more block for that; -1: not in steady decode.
+        # hash_at_len is the context length at which a block of known tokens may need keying
+        # (never late; early only costs a check).
+        self.decode_until = -1
+        self.hash_at_len = 0
         eos = () if params.ignore_eos else eos_token_ids
         self.stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
         self.status = RequestStatus.WAITING

@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import msgspec
+
 from common.messages import (
     NewRequestData,
     RunningRequestData,
@@ -50,9 +52,9 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
 
 
-@dataclasses.dataclass
-class RequestUpdate:
-    """What one step produced for one request: new token(s), and whether it finished."""
+class RequestUpdate(msgspec.Struct, gc=False):
+    """What one step produced for one request: new token(s), and whether it finished. (A
+    struct, not a dataclass: one is made per running request per step, at half the cost.)"""
 
     req_id: str
     new_token_ids: list[int]
@@ -82,6 +84,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # for the next plan: worker drops their state
+        # Rows of the running section that _emit filled in this schedule() (row, count, new
+        # blocks, draft ids, draft count); the rest are steady-decode rows.
+        self._row_patches: list[tuple[int, int, list[int], bytes, int]] = []
         self._step_id = 0
         self.num_preemptions = 0
         self.prefix_queries = 0  # tokens looked up in the prefix cache at admission
@@ -137,44 +142,43 @@ class Scheduler:
         if self.spec is not None:
             decoding = sum(1 for r in self.running if r.num_output_tokens > 0)
             speculate = self.spec.enabled_for_step(decoding)
-        # The steady-decode path below is the hot loop at hundreds of running requests: it
-        # inlines what the general path would compute for a request that decodes one token
-        # into a block it already holds, and calls out only when something changes.
-        blocks, seqs, bs = self.blocks, self.blocks.seqs, self.blocks.block_size
-        with_spec = self.spec is not None
-        add_id = running.req_ids.append
-        add_count = running.num_scheduled_tokens.append
-        add_blocks = running.new_block_ids.append
+        # The steady-decode path below is the hot loop at hundreds of running requests. A request
+        # whose num_computed_tokens is below its decode_until decodes one token into a block it
+        # already holds, below its limit (set by _emit, cleared by anything that changes that):
+        # it costs an id append and two counter bumps. Its count (1) and new blocks (none) are
+        # filled in for all such rows at once after the loop.
         running_list = self.running
+        blocks, bs = self.blocks, self.blocks.block_size
+        add_id = running.req_ids.append
         fast = self.fast_paths and not speculate
+        self._row_patches = patches = []
         # A for loop over a list that preemption shortens from the end: popped requests are
         # simply not reached.
         for request in running_list:
             if budget <= 0:
                 break
-            token_ids = request.token_ids
             computed = request.num_computed_tokens
-            planned = len(token_ids) + request.num_placeholders
-            if (
-                fast
-                and planned - computed == 1
-                and planned < request.token_limit
-                and request.spec_inflight < 0
-                and not request.needs_full_send
-            ):
-                seq = seqs[request.req_id]
-                if computed < len(seq.blocks) * bs:  # the next slot is in a held block
+            if computed < request.decode_until and fast:
+                add_id(request.req_id)
+                request.num_computed_tokens = computed + 1
+                request.num_placeholders += 1  # it samples
+                # In steady decode every known token's KV is computed or planned.
+                if len(request.token_ids) >= request.hash_at_len:
+                    self._key_blocks(request, len(request.token_ids))
+                budget -= 1
+                continue
+            if computed == request.decode_until and fast and computed < request.token_limit - 1:
+                # Steady decode that has filled its blocks: one more block, unless the pool
+                # is out (then the general path below preempts).
+                new_block = blocks.append_block(request.req_id)
+                if new_block is not None:
                     add_id(request.req_id)
-                    add_count(1)
-                    add_blocks([])
-                    if with_spec:
-                        running.spec_token_ids.append(b"")
-                        running.num_spec_tokens.append(0)
+                    patches.append((len(running.req_ids) - 1, 1, new_block, b"", 0))
                     request.num_computed_tokens = computed + 1
-                    request.num_placeholders += 1  # it samples
-                    known = computed + 1 if computed < len(token_ids) else len(token_ids)
-                    if known // bs > seq.num_hashed:  # a block of known tokens just filled
-                        blocks.cache_blocks(request.req_id, token_ids, known)
+                    request.num_placeholders += 1
+                    request.decode_until = min(computed + bs, request.token_limit - 1)
+                    if len(request.token_ids) >= request.hash_at_len:
+                        self._key_blocks(request, len(request.token_ids))
                     budget -= 1
                     continue
             pending = request.num_planned_tokens - request.num_computed_tokens
@@ -244,6 +248,7 @@ class Scheduler:
             budget -= num_tokens
             prefill_left -= num_tokens
 
+        self._fill_running_rows(running, patches)
         self._step_id += 1
         plan = StepPlan(
             step_id=self._step_id,
@@ -253,6 +258,39 @@ class Scheduler:
         )
         self._finished_ids = []
         return plan
+
+    def _fill_running_rows(self, running: RunningRequestData, patches: list[tuple]) -> None:
+        """The per-row lists of the running section: steady-decode rows take 1 token and no new
+        block (one shared, read-only empty list); rows from _emit take what they recorded."""
+        n = len(running.req_ids)
+        counts = [1] * n
+        new_blocks: list[list[int]] = [_NO_BLOCKS] * n
+        for row, num_tokens, blocks, _, _ in patches:
+            counts[row] = num_tokens
+            new_blocks[row] = blocks
+        running.num_scheduled_tokens = counts
+        running.new_block_ids = new_blocks
+        if self.spec is not None:
+            spec_ids: list[bytes] = [b""] * n
+            num_spec = [0] * n
+            for row, _, _, ids, k in patches:
+                spec_ids[row] = ids
+                num_spec[row] = k
+            running.spec_token_ids = spec_ids
+            running.num_spec_tokens = num_spec
+
+    def _key_blocks(self, request: Request, known: int) -> None:
+        """Key the full blocks among the first `known` tokens, and note the length at which the
+        next one fills (a block keyed elsewhere meanwhile only makes that note early)."""
+        blocks = self.blocks
+        if not blocks.enable_prefix_caching:
+            request.hash_at_len = _NEVER
+            return
+        seq = blocks.seqs[request.req_id]
+        bs = blocks.block_size
+        if known // bs > seq.num_hashed:
+            blocks.cache_blocks(request.req_id, request.token_ids, known)
+        request.hash_at_len = (seq.num_hashed + 1) * bs
 
     def _drafts(self, request: Request, budget: int) -> list[int] | int:
         """Draft ids (n-gram) or a draft count (draft model), within max_tokens, the context
@@ -300,14 +338,14 @@ class Scheduler:
             )
         else:
             running.req_ids.append(request.req_id)
-            running.num_scheduled_tokens.append(num_tokens)
-            running.new_block_ids.append(new_blocks)
-            if self.spec is not None:
-                ids = drafts if isinstance(drafts, list) else ()
-                running.spec_token_ids.append(pack_ids(ids))
-                running.num_spec_tokens.append(num_tokens - 1 if drafts else 0)
-                if drafts:
-                    request.spec_inflight = num_tokens - 1
+            ids: list[int] | tuple = drafts if isinstance(drafts, list) else ()
+            num_spec = num_tokens - 1 if drafts else 0
+            if drafts:
+                request.spec_inflight = num_tokens - 1
+            packed = pack_ids(ids) if ids else b""
+            self._row_patches.append(
+                (len(running.req_ids) - 1, num_tokens, new_blocks, packed, num_spec)
+            )
         # Advance now, not when the result arrives, so the next step can be planned while this
         # one runs (overlap scheduling): a step that reaches the end of the known tokens will
         # sample one, which the next plan already counts on as a placeholder.
@@ -315,8 +353,15 @@ class Scheduler:
         if request.num_computed_tokens >= request.num_planned_tokens:  # samples (or verifies)
             request.num_placeholders += 1
         # Key the full blocks of known tokens this step computes, for requests planned later.
-        computed = min(request.num_computed_tokens, request.num_tokens)
-        self.blocks.cache_blocks(request.req_id, request.token_ids, computed)
+        self._key_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+        pending = request.num_planned_tokens - request.num_computed_tokens
+        if request.spec_inflight < 0 and pending == 1:
+            # Steady decode from here: the fast path may take it until it needs a block or
+            # reaches its limit.
+            held = len(self.blocks.block_table(request.req_id)) * self.blocks.block_size
+            request.decode_until = min(held, request.token_limit - 1)
+        else:
+            request.decode_until = -1
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request.req_id)
@@ -324,6 +369,8 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_placeholders = 0
         request.spec_inflight = -1
+        request.decode_until = -1
+        request.hash_at_len = 0
         request.num_preemptions += 1
         request.needs_full_send = True
         self.num_preemptions += 1
@@ -377,8 +424,9 @@ class Scheduler:
         else:
             cache_each = True  # the rows are the plan's requests: key blocks in the same loop
         updates: list[RequestUpdate] = []
-        requests, seqs, blocks = self.requests, self.blocks.seqs, self.blocks
-        bs, max_len = blocks.block_size, self.config.max_model_len
+        add_update = updates.append
+        requests = self.requests
+        max_len = self.config.max_model_len
         running_status = RequestStatus.RUNNING
         for req_id, token in zip(req_ids, token_ids):
             request = requests.get(req_id)
@@ -389,27 +437,24 @@ class Scheduler:
                 known = request.num_computed_tokens
                 if known > len(ids):
                     known = len(ids)
-                if known // bs > seqs[req_id].num_hashed:
-                    blocks.cache_blocks(req_id, ids, known)
+                if known >= request.hash_at_len:
+                    self._key_blocks(request, known)
             if request.spec_inflight >= 0:
                 update = self._append(request, [token], None)
                 if update is not None:
-                    updates.append(update)
+                    add_update(update)
                 continue
             request.num_placeholders -= 1
             ids.append(token)
-            if (
-                token in request.stop_ids
-                or len(ids) - request.prompt_len >= request.max_tokens
-                or len(ids) >= max_len
-            ):
+            # token_limit is min(prompt + max_tokens, max_model_len): one test for both lengths.
+            if token in request.stop_ids or len(ids) >= request.token_limit:
                 reason = request.check_stop(max_len)
                 assert reason is not None
                 self.running.remove(request)
                 self._finish(request, reason)
-                updates.append(RequestUpdate(req_id, [token], request, reason, None))
+                add_update(RequestUpdate(req_id, [token], request, reason))
             else:
-                updates.append(RequestUpdate(req_id, [token], request, None, None))
+                add_update(RequestUpdate(req_id, [token], request))
         return updates
 
     def _append(
@@ -444,6 +489,10 @@ class Scheduler:
             if request is not None and request.status == RequestStatus.RUNNING:
                 computed = min(request.num_computed_tokens, request.num_tokens)
                 self.blocks.cache_blocks(req_id, request.token_ids, computed)
+
+
+_NEVER = 1 << 62  # a hash_at_len no context reaches
+_NO_BLOCKS: list[int] = []  # shared by every steady-decode row of every plan: never mutated
 
 
 def _cut(logprobs: list | None, n: int) -> list | None:

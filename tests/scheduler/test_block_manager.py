@@ -103,6 +103,27 @@ def test_failed_allocate_slots_changes_nothing() -> None:
     bm.check_invariants()
 
 
+def test_append_block_takes_what_allocate_slots_would() -> None:
+    """The steady-decode shortcut: one block at the end, free ones first, then the LRU's oldest
+    cached block (evicted), then None with nothing changed; twins built with allocate_slots
+    end in the same state."""
+    twins = BlockManager(5, BS, record_events=True), BlockManager(5, BS, record_events=True)
+    for bm in twins:
+        run_prompt(bm, "a", list(range(8)))  # blocks 0, 1, cached
+        bm.free("a")
+        bm.allocate_slots("b", 4)  # block 2: the free stack's next
+    short, general = twins
+    got = [short.append_block("b"), short.append_block("b"), short.append_block("b")]
+    want = [general.allocate_slots("b", 8), general.allocate_slots("b", 12)]
+    want.append(general.allocate_slots("b", 16))
+    assert got == want == [[3], [4], [1]]  # free blocks, then a's tail evicted first
+    assert short.block_table("b") == general.block_table("b")
+    assert short.take_events() == general.take_events()
+    assert short.append_block("b") == [0] and short.append_block("b") is None
+    assert short.block_table("b") == [2, 3, 4, 1, 0] and short.num_free_blocks() == 0
+    short.check_invariants()
+
+
 def test_identical_blocks_computed_concurrently_keep_first_mapping() -> None:
     bm = BlockManager(8, BS)
     prompt = list(range(9))

@@ -89,3 +89,33 @@ def test_fast_paths_match_the_general_path(seed: int, overlap: bool, cfg: dict) 
     assert fast == general
     assert len(fast) > 100
     assert (preemptions > 0) == (cfg["num_blocks"] == 24)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fast_paths_match_the_general_path_across_speculation(
+    seed: int, method: str, overlap: bool
+) -> None:
+    """With a batch cut-off below the running count, steps switch between speculating (every
+    request on the general path, verifies in flight) and not (steady-decode rows on the fast
+    path): a request's fast-path state must survive the switch both ways. The traces of plans
+    and outputs equal the general path's, and the pool ends free."""
+    from tests.spec.fakes import SpecFakeWorker, drive, workload
+    from tests.spec.fakes import make as make_spec
+
+    def run(fast_paths: bool) -> tuple[list[bytes], dict, int]:
+        sched = make_spec(
+            method, num_blocks=40, max_batch=4, reqs=workload(seed, n=10), max_num_seqs=8
+        )
+        sched.fast_paths = fast_paths
+        worker = SpecFakeWorker("random", seed=seed)
+        result = drive(sched, worker, overlap)
+        assert_idle(sched, worker)
+        assert sched.spec is not None
+        stats = sched.spec.stats
+        assert stats.disabled_steps > 0 and stats.drafts > 0  # both kinds of step happened
+        return [encoder.encode(p) for p in result.plans], result.outputs, sched.num_preemptions
+
+    fast, general = run(True), run(False)
+    assert fast == general
