@@ -265,6 +265,10 @@ class EngineClient:
                 msg = api_inbound_decoder.decode(raw)
                 if isinstance(msg, TextBatch):
                     self._dispatch(msg)
+                    # Text from a tokenizer is as good as a heartbeat from it.
+                    tokenizer = self.tokenizers.get(msg.tokenizer_id)
+                    if tokenizer is not None:
+                        tokenizer.last_seen = time.monotonic()
                 elif isinstance(msg, TokenizerHeartbeat):
                     self._on_heartbeat(msg)
                 elif isinstance(msg, SchedulerStats):

@@ -27,6 +27,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from common.addresses import API_ROUTING_ID, Addresses, bind_address
 from common.config import EngineConfig
+from common.fairness import let_others_run
 from common.ipc import encoder, scheduler_inbound_decoder, worker_outbound_decoder
 from common.logs import add_log_format_arg, configure_logging
 from common.messages import (
@@ -58,10 +59,16 @@ from services.scheduler.speculation import SpecPolicy
 
 log = logging.getLogger("stoker.scheduler")
 STATS_INTERVAL_S = 0.25
-# Token batches queued for one tokenizer before it counts as unable to keep up (one batch per
-# step: thousands of steps behind). Past it the tokenizer's requests fail loudly; ZMQ would
-# otherwise drop batches, finish messages included, without a word.
-TOKENIZER_HWM = 10_000
+# Token batches queued for one tokenizer (one batch per step; its own receive queue holds about
+# as many again). A full queue is backpressure: the batch waits in the scheduler, which plans no
+# new step until the tokenizer takes it, so the pipeline runs at its slowest stage's pace (a
+# null model or a fast GPU can outrun detokenization) instead of queueing seconds of tokens.
+TOKENIZER_HWM = 1_000
+# A tokenizer that takes none of its held batches for this long is stuck (frozen, or gone
+# without closing its connection): its requests fail loudly, and planning resumes for the rest.
+# The api's own deadline for a silent tokenizer is the same (STOKER_TOKENIZER_LOST_S).
+TOKENIZER_STALL_S = 10.0
+BACKLOG_POLL_S = 0.001
 EXIT_STALLED = 3  # the worker made no progress for --step-timeout-s
 
 
@@ -112,6 +119,9 @@ class SchedulerService:
         self.results = self.ctx.socket(zmq.PULL)
         self.results.bind(bind_address(addresses.worker_result))
         self.owners: dict[str, _Owner] = {}
+        # Frames a tokenizer's full queue did not take, in order, and when it last took one.
+        self._backlog: dict[bytes, collections.deque[list[bytes]]] = {}
+        self._backlog_moved: dict[bytes, float] = {}
         self.wakeup = asyncio.Event()
         self.stats_due = asyncio.Event()
         self.telemetry = StepTelemetry.empty()
@@ -239,6 +249,7 @@ class SchedulerService:
             elif isinstance(msg, ProfileControl):
                 await self._profile(routing_id, msg)
             self.wakeup.set()
+            await let_others_run()  # a burst of requests must not hold up the step loop
 
     async def _profile(self, routing_id: bytes, msg: ProfileControl) -> None:
         """Only the api may switch the profiler; the worker gets it on the plan socket, in
@@ -309,7 +320,9 @@ class SchedulerService:
                 inflight.clear()
                 await self._recover()
                 continue
-            if len(inflight) < self.depth:
+            if self._backlog:
+                self._flush_backlog()
+            if len(inflight) < self.depth and not self._backlog:
                 t0 = time.perf_counter()
                 with span("schedule"):
                     plan = self.scheduler.schedule()
@@ -339,6 +352,9 @@ class SchedulerService:
                     self.profiler.step()
                 if not self.scheduler.has_unfinished():
                     self.stats_due.set()
+                continue
+            if self._backlog:  # a tokenizer is behind: no new step until it catches up
+                await asyncio.sleep(BACKLOG_POLL_S)
                 continue
             self.idle_gaps.engine_idle()
             self.wakeup.clear()
@@ -447,12 +463,45 @@ class SchedulerService:
         for routing_id, items in batches.items():
             if not items:
                 continue
+            frames = [routing_id, encoder.encode(TokenBatch(items))]
+            backlog = self._backlog.get(routing_id)
+            if backlog is not None:  # behind batches its queue did not take: keep the order
+                backlog.append(frames)
+                continue
             try:
-                self._send_now([routing_id, encoder.encode(TokenBatch(items))])
-            except zmq.ZMQError as e:  # gone (EHOSTUNREACH) or too far behind (EAGAIN)
-                log.error("tokenizer %s cannot take its tokens (%s)", routing_id.decode(), e)
-                lost.append(routing_id)
+                self._send_now(frames)
+            except zmq.ZMQError as e:
+                if e.errno == zmq.EAGAIN:  # its queue is full: hold the batch, plan no step
+                    self._backlog[routing_id] = collections.deque([frames])
+                    self._backlog_moved[routing_id] = time.monotonic()
+                else:  # gone (EHOSTUNREACH)
+                    log.error("tokenizer %s cannot take its tokens (%s)", routing_id.decode(), e)
+                    lost.append(routing_id)
         for routing_id in lost:
+            self._fail_tokenizer(routing_id)
+
+    def _flush_backlog(self) -> None:
+        """Hand held batches on as their tokenizers' queues drain; fail a tokenizer that took
+        none for TOKENIZER_STALL_S, or that went away."""
+        now = time.monotonic()
+        stuck: list[bytes] = []
+        for routing_id, backlog in self._backlog.items():
+            try:
+                while backlog:
+                    self._send_now(backlog[0])
+                    backlog.popleft()
+                    self._backlog_moved[routing_id] = now
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EAGAIN:
+                    log.error("tokenizer %s cannot take its tokens (%s)", routing_id.decode(), e)
+                    stuck.append(routing_id)
+                elif now - self._backlog_moved[routing_id] > TOKENIZER_STALL_S:
+                    log.error("tokenizer %s took no tokens for %.0f s", routing_id.decode(),
+                              TOKENIZER_STALL_S)  # fmt: skip
+                    stuck.append(routing_id)
+        for routing_id in [r for r, b in self._backlog.items() if not b] + stuck:
+            del self._backlog[routing_id], self._backlog_moved[routing_id]
+        for routing_id in stuck:
             self._fail_tokenizer(routing_id)
 
     def _fail_tokenizer(self, routing_id: bytes) -> None:

@@ -27,6 +27,7 @@ import zmq  # noqa: E402
 import zmq.asyncio  # noqa: E402
 
 from common.addresses import Addresses  # noqa: E402
+from common.fairness import let_others_run  # noqa: E402
 from common.finish import finish_reason, text_token_ids  # noqa: E402
 from common.ipc import encoder, tokenize_request_decoder, tokenizer_inbound_decoder  # noqa: E402
 from common.logs import add_log_format_arg, configure_logging  # noqa: E402
@@ -214,6 +215,7 @@ class TokenizerService:
                 await scheduler.send(encoder.encode(out))
             else:
                 await api.send(encoder.encode(TextBatch(self.id, [out])))
+            await let_others_run()  # the token stream and heartbeats share this loop
 
     async def _tokens_loop(self, scheduler: zmq.asyncio.Socket, api) -> None:
         while True:
@@ -228,6 +230,7 @@ class TokenizerService:
                 await scheduler.send(encoder.encode(Abort(stopped, reason="stop")))
             if deltas:
                 await api.send(encoder.encode(TextBatch(self.id, deltas)))
+            await let_others_run()  # new requests and heartbeats share this loop
 
     async def _heartbeat_loop(self, api: zmq.asyncio.Socket) -> None:
         pid = os.getpid()

@@ -1,6 +1,7 @@
-"""The scheduler never drops a token batch silently: a tokenizer that is gone (or too far
-behind for the send high-water mark) is failed loudly, its requests aborted (blocks freed) and
-reported to the api as lost."""
+"""The scheduler never drops a token batch silently. A tokenizer whose queue is full holds the
+scheduler back (its batches wait, in order, and no step is planned) rather than losing them or
+its requests; one that is gone, or takes nothing for TOKENIZER_STALL_S, is failed loudly: its
+requests aborted (blocks freed) and reported to the api as lost."""
 
 from __future__ import annotations
 
@@ -11,9 +12,17 @@ import zmq
 
 from common.addresses import API_ROUTING_ID, Addresses
 from common.config import EngineConfig
-from common.ipc import api_from_scheduler_decoder
-from common.messages import EngineFailure, GenerateRequest, RequestTokens, WorkerReady, pack_ids
+from common.ipc import api_from_scheduler_decoder, tokenizer_inbound_decoder
+from common.messages import (
+    EngineFailure,
+    GenerateRequest,
+    RequestTokens,
+    WorkerReady,
+    pack_ids,
+    unpack_ids,
+)
 from common.sampling_params import SamplingParams
+from services.scheduler import service as scheduler_service
 from services.scheduler.service import SchedulerService
 
 
@@ -51,3 +60,75 @@ def test_messages_decode_with_defaults():
     enc = msgspec.msgpack.Encoder()
     old = enc.encode(["worker_ready", 4, 16, 64, 256])
     assert msgspec.msgpack.decode(old, type=WorkerReady).incarnation == ""
+
+
+def test_a_full_tokenizer_queue_holds_batches_in_order(model, tmp_path, monkeypatch):
+    """Small queues on both sides and a tokenizer that reads nothing for a while: the batches
+    past its queue wait in the scheduler (nothing is failed or dropped), a later batch queues
+    behind them, and once it reads, every batch arrives exactly once and in order."""
+    monkeypatch.setattr(scheduler_service, "TOKENIZER_HWM", 4)
+    asyncio.run(_full_queue(model, tmp_path, stall=False))
+
+
+def test_a_tokenizer_that_takes_nothing_is_failed(model, tmp_path, monkeypatch):
+    """The same full queue, but the tokenizer never reads: after TOKENIZER_STALL_S its requests
+    fail (the api hears of it, blocks are freed) and nothing stays held."""
+    monkeypatch.setattr(scheduler_service, "TOKENIZER_HWM", 4)
+    monkeypatch.setattr(scheduler_service, "TOKENIZER_STALL_S", 1.0)
+    asyncio.run(_full_queue(model, tmp_path, stall=True))
+
+
+async def _full_queue(model, tmp_path, stall: bool) -> None:
+    addresses = Addresses.in_run_dir(tmp_path / "run")
+    service = SchedulerService(EngineConfig(model=str(model), null_model=True), addresses)
+    ctx = zmq.Context.instance()
+    api = ctx.socket(zmq.DEALER)
+    api.setsockopt(zmq.ROUTING_ID, API_ROUTING_ID)
+    api.connect(addresses.scheduler)
+    tokenizer = ctx.socket(zmq.DEALER)
+    tokenizer.setsockopt(zmq.ROUTING_ID, b"tok-slow")
+    tokenizer.setsockopt(zmq.RCVHWM, 4)
+    tokenizer.connect(addresses.scheduler)
+    try:
+        service._start(WorkerReady(num_blocks=16, block_size=16, max_model_len=64, vocab_size=256))
+        request = GenerateRequest("r-1", pack_ids([5, 6, 7]), SamplingParams(max_tokens=4))
+        service._add(b"tok-slow", request)
+        await asyncio.sleep(0.2)  # both connections are up
+        # 16 KB a batch, so that the OS's socket buffers fill too, behind the small queues.
+        for i in range(200):
+            ids = pack_ids([i] * 4096)
+            service._send_batches({b"tok-slow": [RequestTokens("r-1", ids)]})
+        assert b"tok-slow" in service._backlog, "the queue never filled"
+        assert service.owners and service.scheduler.num_waiting == 1  # nothing was failed
+        if stall:
+            for _ in range(50):  # until the OS buffers are full too: nothing moves any more
+                held = len(service._backlog[b"tok-slow"])
+                await asyncio.sleep(0.1)
+                service._flush_backlog()
+                if len(service._backlog[b"tok-slow"]) == held:
+                    break
+            assert service.owners, "failed before the deadline"
+            await asyncio.sleep(1.1)
+            service._flush_backlog()
+            assert not service._backlog and not service.owners
+            assert service.scheduler.num_waiting == 0
+            assert service.blocks.num_free_blocks() == service.blocks.num_blocks
+            assert api.poll(5000), "nothing reached the api"
+            msg = api_from_scheduler_decoder.decode(api.recv())
+            assert isinstance(msg, EngineFailure) and msg.req_ids == ["r-1"]
+            return
+        received: list[int] = []
+        for _ in range(1000):
+            service._flush_backlog()
+            while tokenizer.poll(0):
+                batch = tokenizer_inbound_decoder.decode(tokenizer.recv())
+                received += [unpack_ids(item.token_ids)[0] for item in batch.items]
+            if len(received) == 200:
+                break
+            await asyncio.sleep(0.005)
+        assert received == list(range(200))
+        assert not service._backlog and service.owners
+    finally:
+        api.close(linger=0)
+        tokenizer.close(linger=0)
+        service.ctx.destroy(linger=0)
