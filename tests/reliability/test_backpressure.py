@@ -6,17 +6,29 @@ requests aborted (blocks freed) and reported to the api as lost."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import msgspec
 import zmq
 
-from common.addresses import API_ROUTING_ID, Addresses
+from common.addresses import API_ROUTING_ID, Addresses, bind_address
 from common.config import EngineConfig
-from common.ipc import api_from_scheduler_decoder, tokenizer_inbound_decoder
+from common.ipc import (
+    api_from_scheduler_decoder,
+    api_inbound_decoder,
+    encoder,
+    tokenizer_inbound_decoder,
+)
 from common.messages import (
     EngineFailure,
     GenerateRequest,
     RequestTokens,
+    TokenBatch,
+    TokenizerHeartbeat,
     WorkerReady,
     pack_ids,
     unpack_ids,
@@ -24,6 +36,8 @@ from common.messages import (
 from common.sampling_params import SamplingParams
 from services.scheduler import service as scheduler_service
 from services.scheduler.service import SchedulerService
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_unreachable_tokenizer_is_failed_loudly(model, tmp_path):
@@ -132,3 +146,40 @@ async def _full_queue(model, tmp_path, stall: bool) -> None:
         api.close(linger=0)
         tokenizer.close(linger=0)
         service.ctx.destroy(linger=0)
+
+
+def test_a_flooded_tokenizer_keeps_heartbeating(model, tmp_path):
+    """A real tokenizer process under a token stream that never pauses: a ready pyzmq recv
+    does not suspend, so a drain loop that never yields starved the heartbeat task, and the api
+    took the busiest tokenizer for dead (503s for new requests). Its heartbeats must keep
+    coming while the stream lasts."""
+    addresses = Addresses.in_run_dir(tmp_path / "run")
+    ctx = zmq.Context()
+    scheduler = ctx.socket(zmq.ROUTER)  # stands in for the scheduler: floods token batches
+    scheduler.bind(bind_address(addresses.scheduler))
+    api = ctx.socket(zmq.PULL)  # stands in for the api: collects heartbeats
+    api.bind(bind_address(addresses.api_inbound))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **addresses.to_env())
+    cmd = [sys.executable, "-m", "services.cli", "tokenizer", "--model", str(model)]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO)
+    try:
+        assert api.poll(60_000), "the tokenizer never heartbeat"
+        beat = api_inbound_decoder.decode(api.recv())
+        assert isinstance(beat, TokenizerHeartbeat)
+        # Unknown request ids: the tokenizer decodes each batch and drops it, so all it does
+        # is drain the socket, as fast as it can.
+        flood = encoder.encode(
+            TokenBatch([RequestTokens(f"r{i}", pack_ids([5])) for i in range(64)])
+        )
+        beats, until = 0, time.monotonic() + 3.0
+        while time.monotonic() < until:
+            for _ in range(200):
+                scheduler.send_multipart([beat.tokenizer_id.encode(), flood], flags=zmq.NOBLOCK)
+            while api.poll(0):
+                beats += isinstance(api_inbound_decoder.decode(api.recv()), TokenizerHeartbeat)
+        assert proc.poll() is None
+        assert beats >= 3, f"{beats} heartbeats in 3 s of flood (one is due every 0.5 s)"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        ctx.destroy(linger=0)
