@@ -60,9 +60,10 @@ class HistogramState(msgspec.Struct, array_like=True, gc=False):
     def empty(cls) -> HistogramState:
         return cls([0] * (len(STEP_BUCKETS) + 1))
 
-    def observe(self, value: float, buckets: tuple[float, ...] = STEP_BUCKETS) -> None:
-        self.counts[bisect.bisect_left(buckets, value)] += 1
-        self.total += value
+    def observe(self, value: float, buckets: tuple[float, ...] = STEP_BUCKETS, n: int = 1) -> None:
+        """n observations of value (n tokens that arrived together share one gap)."""
+        self.counts[bisect.bisect_left(buckets, value)] += n
+        self.total += value * n
 
 
 class StepTelemetry(msgspec.Struct, array_like=True, gc=False):

@@ -32,7 +32,7 @@ from common.messages import (
     TokenizerHeartbeat,
     num_ids,
 )
-from services.api.metrics import EngineSnapshot, Metrics
+from services.api.metrics import LATENCY_BUCKETS, EngineSnapshot, Metrics
 from services.api.protocol import ApiError
 from services.api.request_log import ChoiceLog, RequestLog
 
@@ -390,11 +390,10 @@ class EngineClient:
                     m.queue_time.observe(d.queue_s)
                     m.prompt_tokens.inc(d.num_prompt_tokens)
                 else:
-                    gap = (now - track.last) / num_tokens
-                    for _ in range(num_tokens):
-                        m.itl.observe(gap)
+                    # Tokens that arrive together share the gap since the last ones.
+                    m.itl.observe((now - track.last) / num_tokens, LATENCY_BUCKETS, num_tokens)
                 track.last = now
-                m.generation_tokens.inc(num_tokens)
+                m.generation_tokens += num_tokens
             if d.finish_reason is not None:
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug(

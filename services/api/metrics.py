@@ -31,8 +31,8 @@ from common.telemetry import (
     StepTelemetry,
 )
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
-_LATENCY_BUCKETS += (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)
+LATENCY_BUCKETS += (2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
 # Gauges also exported under vLLM's names, which routers and autoscalers scrape: the Gateway API
@@ -162,39 +162,53 @@ def _histogram(
     return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=state.total)
 
 
+class _TokenCollector(Collector):
+    """The per-token series, kept as plain numbers by Metrics."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._metrics
+        yield _histogram(
+            "stoker:inter_token_latency_seconds",
+            "Time between output tokens of one request.",
+            m.itl,
+            LATENCY_BUCKETS,
+        )
+        yield CounterMetricFamily(
+            "stoker:generation_tokens", "Generated tokens.", value=m.generation_tokens
+        )
+
+
 class Metrics:
     def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         r = self.registry = CollectorRegistry()
         self.ttft = Histogram(
             "stoker:time_to_first_token_seconds",
             "Time from arrival at the api to the first output token.",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.itl = Histogram(
-            "stoker:inter_token_latency_seconds",
-            "Time between output tokens of one request.",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
+        # Per token, so not prometheus_client's (a lock and a bucket scan per observation, a
+        # sixth of the api's CPU at 70k tokens/s): plain counts, exported at scrape time.
+        self.itl = HistogramState([0] * (len(LATENCY_BUCKETS) + 1))
+        self.generation_tokens = 0
         self.e2e = Histogram(
             "stoker:e2e_request_latency_seconds",
             "Time from arrival at the api to the last output token.",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.queue_time = Histogram(
             "stoker:request_queue_time_seconds",
             "Time from arrival at the api to the request's first step (tokenization and the "
             "scheduler's queue).",
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.prompt_tokens = Counter(
             "stoker:prompt_tokens", "Prompt tokens of finished prefills.", registry=r
-        )
-        self.generation_tokens = Counter(
-            "stoker:generation_tokens", "Generated tokens.", registry=r
         )
         self.request_success = Counter(
             "stoker:request_success",
@@ -203,6 +217,7 @@ class Metrics:
             registry=r,
         )
         r.register(_EngineCollector(snapshot))
+        r.register(_TokenCollector(self))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

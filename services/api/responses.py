@@ -14,12 +14,22 @@ from services.api.tokens import TokenStrings
 @dataclasses.dataclass
 class Choice:
     index: int
-    text: str = ""
     num_tokens: int = 0
-    token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     text_offset: int = 0  # completions logprobs: offset of the next token in the output text
+    # The pieces as they came: joined only by a whole response (a stream never needs them), and
+    # not re-copied per delta as `text += piece` on an attribute would be.
+    text_parts: list[str] = dataclasses.field(default_factory=list)
+    token_id_parts: list[bytes] = dataclasses.field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return unpack_ids(b"".join(self.token_id_parts))
 
 
 class Accumulator:
@@ -40,9 +50,9 @@ class Accumulator:
         if d.num_prompt_tokens:
             self.prompt_tokens = d.num_prompt_tokens
             self.cached_tokens = d.num_cached_tokens
-        c.text += d.text
+        c.text_parts.append(d.text)
         c.num_tokens += num_ids(d.token_ids)
-        c.token_ids += unpack_ids(d.token_ids)
+        c.token_id_parts.append(d.token_ids)
         if d.logprobs:
             c.logprobs += d.logprobs
         if d.finish_reason is not None or d.error is not None:
@@ -113,13 +123,17 @@ class Formatter:
 
     def chunk(self, c: Choice, deltas: list[TextDelta]) -> dict[str, Any] | None:
         """One event for a choice's coalesced deltas; None when there is nothing to say."""
-        text = "".join(d.text for d in deltas)
-        ids = [t for d in deltas for t in unpack_ids(d.token_ids)]
-        lps = [x for d in deltas for x in (d.logprobs or [])]
+        text = deltas[0].text if len(deltas) == 1 else "".join(d.text for d in deltas)
         finish = deltas[-1].finish_reason
-        if not text and finish is None and not (self.with_logprobs and lps):
+        lps: list[TokenLogprobs] = []
+        if self.with_logprobs:  # the ids are only needed to name the logprobs' tokens
+            lps = [x for d in deltas for x in (d.logprobs or [])]
+        if not text and finish is None and not lps:
             return None
-        logprobs = self._logprobs(ids, lps, c.text_offset)
+        logprobs = None
+        if self.with_logprobs:
+            ids = [t for d in deltas for t in unpack_ids(d.token_ids)]
+            logprobs = self._logprobs(ids, lps, c.text_offset)
         if self.kind == "completion":
             c.text_offset += sum(len(s) for s in logprobs["tokens"]) if logprobs else 0
             choice = {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
