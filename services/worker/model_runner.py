@@ -52,7 +52,7 @@ from services.worker.step_inputs import (
 log = logging.getLogger("stoker.worker")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Scheduled:
     """A request's share of this step: num_tokens to compute, or a verify of k drafts."""
 
@@ -63,7 +63,7 @@ class Scheduled:
     draft_probs: torch.Tensor | None = None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestState:
     req_id: str
     token_ids: list[int]  # prompt + sampled outputs
@@ -245,7 +245,7 @@ class ModelRunner:
             state = self.requests[req_id]
             if new_blocks:
                 state.block_ids.extend(new_blocks)
-            scheduled.append(Scheduled(state, num_tokens, unpack_ids(drafts), k))
+            scheduled.append(Scheduled(state, num_tokens, unpack_ids(drafts) if drafts else [], k))
         return scheduled
 
     # -- one step -------------------------------------------------------------------------------
@@ -292,8 +292,8 @@ class ModelRunner:
             if item.k:
                 continue  # advanced below by what was accepted
             item.state.num_computed += item.num_tokens
-        req_ids, token_ids, counts, logprobs = [], [], [], []
-        any_logprobs = False
+        req_ids, token_ids, counts = [], [], []
+        logprobs: list[TokenLogprobs | None] = []  # filled only once some request has them
         for item, (tokens, lps) in zip(sampled, outputs):
             state = item.state
             if item.k:
@@ -306,8 +306,12 @@ class ModelRunner:
             req_ids.append(state.req_id)
             token_ids.extend(tokens)
             counts.append(len(tokens))
-            logprobs.extend(lps if lps is not None else [None] * len(tokens))
-            any_logprobs = any_logprobs or lps is not None
+            if lps is not None:
+                if not logprobs:  # the rows before this one had none
+                    logprobs = [None] * (len(token_ids) - len(tokens))
+                logprobs.extend(lps)
+            elif logprobs:
+                logprobs.extend([None] * len(tokens))
         t3 = time.perf_counter()
         forward_host_s = t2 - t1
         forward_s = 0.0 if self.model is None else self.forward_timer.device_seconds(forward_host_s)
@@ -316,7 +320,7 @@ class ModelRunner:
             req_ids=req_ids,
             token_ids=pack_ids(token_ids),
             counts=counts if len(token_ids) != len(req_ids) else None,
-            logprobs=logprobs if any_logprobs else None,
+            logprobs=logprobs or None,
             prepare_s=t1 - t0,
             forward_s=forward_s,
             sample_s=t3 - t2,

@@ -18,7 +18,7 @@ from kernels.dispatch import decode_reads_cache_in_place
 from services.worker.attention_metadata import AttentionMetadata, PrefillSpan
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Chunk:
     token_ids: list[int]  # tokens to compute, at positions start, start + 1, ...
     start: int
