@@ -43,20 +43,21 @@ def _publish_cost(updates) -> None:
 
 
 def run(num_running: int, steps: int, prompt_len: int, block_size: int) -> dict:
-    num_blocks = num_running * ((prompt_len + steps + 8) // block_size + 2)
+    num_blocks = num_running * ((prompt_len + steps + 80) // block_size + 3)
     blocks = BlockManager(num_blocks, block_size)
     sched = Scheduler(
         SchedulerConfig(
             max_num_seqs=num_running,
             max_num_batched_tokens=max(2048, num_running),
-            max_model_len=prompt_len + steps + 16,
+            max_model_len=prompt_len + block_size + steps + 80,
         ),
         blocks,
     )
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
     for i in range(num_running):
-        prompt = [(i * 7919 + j) % 30000 + 1 for j in range(prompt_len)]
-        sched.add_request(Request(f"req-{i}", prompt, params, steps + 8, (2,)))
+        # Lengths spread over a block, so block boundaries fall on different steps.
+        prompt = [(i * 7919 + j) % 30000 + 1 for j in range(prompt_len + i % block_size)]
+        sched.add_request(Request(f"req-{i}", prompt, params, steps + 64, (2,)))
     inflight: collections.deque[StepPlan] = collections.deque()
     # Prefill until every request decodes, then measure steady decode.
     while len(sched.running) < num_running or any(r.num_output_tokens == 0 for r in sched.running):

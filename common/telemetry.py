@@ -21,6 +21,8 @@ STEP_BUCKETS = (
 
 STEP_METRICS = {
     "schedule": "Scheduler planning time per step (schedule()).",
+    "schedule_cpu": "The scheduler thread's own CPU time in schedule() per step: where processes "
+    "share cores, the wall time above also counts time the scheduler was descheduled.",
     "plan_encode": "Scheduler time to encode and send a step plan.",
     "plan_ipc": "Plan transit and decode, from the later of the scheduler's send and the worker "
     "finishing its previous step, to the worker starting the step (a plan queued behind the "

@@ -323,16 +323,17 @@ class SchedulerService:
             if self._backlog:
                 self._flush_backlog()
             if len(inflight) < self.depth and not self._backlog:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 with span("schedule"):
                     plan = self.scheduler.schedule()
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), time.thread_time()
                 if plan.num_requests or plan.finished_req_ids:
                     plan.sent_at = time.time()
                     self.idle_gaps.plan_sent(plan.step_id)
                     await self.plans.send(encoder.encode(plan))
                     inflight.append(plan)
                     self.telemetry.observe("schedule", t1 - t0)
+                    self.telemetry.observe("schedule_cpu", c1 - c0)
                     self.telemetry.observe("plan_encode", time.perf_counter() - t1)
                     if plan.num_requests and len(inflight) < self.depth:
                         continue  # plan the next step before waiting on this one
