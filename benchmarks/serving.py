@@ -124,6 +124,19 @@ def metric_sum(metrics: str, name: str) -> float:
     return float("nan")
 
 
+def worker_split(metrics: str) -> dict:
+    """Where the worker's time went over the run (seconds): the step phases, the idle gaps
+    with work waiting, and the step count and mean tokens per step."""
+    out = {
+        p: round(metric_sum(metrics, f"stoker:step_worker_{p}_seconds_sum"), 2)
+        for p in ("prepare", "forward", "sample", "idle")
+    }
+    steps = metric_sum(metrics, "stoker:step_batch_tokens_count")
+    out["steps"] = int(steps)
+    out["tokens_per_step"] = round(metric_sum(metrics, "stoker:step_batch_tokens_sum") / steps, 1)
+    return out
+
+
 SHAPE = ["--random-input-len", "128", "--random-output-len", "128"]
 STREAMS = [*SHAPE, "--num-prompts", "64"]
 
@@ -151,6 +164,8 @@ def scenario(name: str, a: argparse.Namespace) -> dict:
         s = Server(model, dtype, peer=name == "vllm")
         try:
             r = bench(s, streams_args(a))
+            if name == "streams":
+                r["worker_split"] = worker_split(s.metrics())
         finally:
             s.stop()
         return {
