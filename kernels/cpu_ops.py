@@ -71,6 +71,7 @@ def load() -> ModuleType | None:
                         str(_SOURCES / name)
                         for name in (
                             "bindings.cpp",
+                            "greedy_screen.cpp",
                             "paged_decode_attention.cpp",
                             "norm_rope.cpp",
                             "panel_linear.cpp",

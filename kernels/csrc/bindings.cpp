@@ -17,6 +17,10 @@ bool panel_linear_supported();
 torch::Tensor pack_panels(torch::Tensor weight);
 torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias);
 torch::Tensor exponential_noise_rows(torch::Tensor keys, int64_t vocab);
+std::tuple<torch::Tensor, torch::Tensor> greedy_candidates(torch::Tensor approx,
+                                                           torch::Tensor row_scale,
+                                                           torch::Tensor col_norm, double rel,
+                                                           double slack, int64_t max_per_row);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports", &supports, "whether a head_dim / query-per-kv-head group has a kernel");
@@ -31,4 +35,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T (+ bias) against panel-packed W (fp32, AVX2 or AVX-512)");
   m.def("exponential_noise_rows", &exponential_noise_rows,
         "Exp(1) float32 noise [rows, vocab] from counter-based per-row keys");
+  m.def("greedy_candidates", &greedy_candidates,
+        "per row, the tokens whose bounded bfloat16 logit may be the float32 argmax");
 }

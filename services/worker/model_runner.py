@@ -27,6 +27,8 @@ from services.worker.drafter import Drafter
 from services.worker.eagle.config import is_eagle_head
 from services.worker.eagle.proposer import EagleProposer, refuse_tensor_parallel
 from services.worker.forward_timer import ForwardTimer
+from services.worker.greedy_head import GreedyHead
+from services.worker.greedy_head import wanted as greedy_head_wanted
 from services.worker.host_copy import host_list, to_device
 from services.worker.kv_sizing import (
     GIB,
@@ -97,6 +99,9 @@ class ModelRunner:
         self.model = None
         if not config.null_model:
             self.model = load_model(folder, self.dtype, config.device, self.max_model_len, comm)
+        self.greedy_head: GreedyHead | None = None
+        if self.model is not None and greedy_head_wanted(self.model, self.device, self.dtype):
+            self.greedy_head = GreedyHead(self.model.lm_head_weight())
         # The model's own (per-rank under tensor parallelism) head counts pick the decode path.
         shapes = self.model_cfg if self.model is None else self.model.cfg
         self.decode_chunk = max_decode_chunk(self.device, self.dtype, shapes)
@@ -270,7 +275,7 @@ class ModelRunner:
             inputs = build_step_inputs(chunks, self.block_size, self.device, self.decode_chunk)
             ranges = inputs.sample_ranges
         t1 = time.perf_counter()
-        logits = None
+        logits = greedy_ids = None
         if self.model is not None:
             # Eager forwards tap the layers an EAGLE head reads (graph-captured ones do not).
             eagle = self.eagle if inputs is not None else None
@@ -278,7 +283,7 @@ class ModelRunner:
                 self.model.tap_layers, self.model.taps = eagle.tap_layers, []
             self.forward_timer.start()
             with span("forward"):
-                logits = self._forward(graphs, inputs, chunks, sampled)
+                logits, greedy_ids = self._forward(graphs, inputs, chunks, sampled)
                 if eagle is not None:
                     self.model.tap_layers = ()
                     req_ids = [i.state.req_id for i in scheduled]
@@ -287,7 +292,10 @@ class ModelRunner:
             self.forward_timer.stop()
         t2 = time.perf_counter()
         with span("sample"):
-            outputs = self._sample(sampled, logits, ranges, chunks)
+            if greedy_ids is not None:
+                outputs = [([t], None) for t in host_list(greedy_ids)]
+            else:
+                outputs = self._sample(sampled, logits, ranges, chunks)
         for item in scheduled:
             if item.k:
                 continue  # advanced below by what was accepted
@@ -335,8 +343,10 @@ class ModelRunner:
         inputs: StepInputs | None,
         chunks: list[Chunk],
         sampled: list[Scheduled],
-    ) -> torch.Tensor | None:
-        """The model over this step's chunks; logits of the sampled rows (None: none sample)."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The model over this step's chunks: (logits of the sampled rows, None), or (None,
+        their tokens) where every sampled row wants only the argmax and the greedy head found
+        it, or (None, None) where none sample."""
         assert self.model is not None
         # Every chunk's K/V must be stored, even in a step where no chunk samples.
         if graphs is not None:
@@ -348,7 +358,15 @@ class ModelRunner:
             assert inputs is not None
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             hidden = hidden[inputs.sample_rows]
-        return self.model.compute_logits(hidden) if sampled else None
+        if not sampled:
+            return None, None
+        if self.greedy_head is not None and all(
+            not i.k and i.state.sampling.argmax_only for i in sampled
+        ):
+            tokens = self.greedy_head.argmax(hidden)
+            if tokens is not None:
+                return None, tokens
+        return self.model.compute_logits(hidden), None
 
     def _propose_drafts(self, scheduled: list[Scheduled]) -> None:
         wanted = [item for item in scheduled if item.k and not item.drafts]

@@ -27,7 +27,7 @@ from services.worker.sampler import (
 class RequestSampling:
     """Built once when the worker first sees a request (or again after a preemption)."""
 
-    __slots__ = ("params", "counts", "prompt_seen", "bias")
+    __slots__ = ("params", "counts", "prompt_seen", "bias", "argmax_only")
 
     def __init__(
         self,
@@ -45,6 +45,11 @@ class RequestSampling:
             if params.repetition_penalty != 1.0:
                 self.prompt_seen = count_tokens(prompt, vocab_size, device) > 0
         self.bias = bias_tensors(params, device) if params.logit_bias else None
+        # Its tokens are the raw logits' argmax and nothing else is read from them, so the
+        # runner may skip the full LM head (services/worker/greedy_head.py).
+        self.argmax_only = (
+            params.greedy and self.counts is None and self.bias is None and params.logprobs is None
+        )
 
     def add(self, tokens: Sequence[int]) -> None:
         """Count newly generated tokens (one small device op; none without penalties)."""

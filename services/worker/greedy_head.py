@@ -1,0 +1,112 @@
+"""Exact greedy tokens from a cheaper LM head (CPU, float32 models).
+
+The float32 LM head is a fifth of a SmolLM2 decode step's FLOPs, and a step whose rows only need
+their argmax (greedy, no penalties, logit bias or logprobs) reads nothing else from the logits.
+On a CPU with AVX512-BF16, oneDNN computes the head in bfloat16 in half the time. Its logits
+are not the float32 ones, but each lies within a bound of it, so this keeps the tokens whose
+bounded logit could still be the row's maximum (usually one to a few,
+kernels/csrc/greedy_screen.cpp) and recomputes only those with the float32 panel kernel. That
+kernel computes every output as one FMA chain over the hidden size in order, whichever columns
+it is given, so the recomputed logits are bit for bit the full head's, and the argmax (the first
+index among equal maxima) is the one the full head gives. Output is unchanged; only the cost of
+getting it is.
+
+The bound, for a hidden row h and a vocabulary row w, with bfloat16 rounding u = 2^-9 and float32
+rounding e = 2^-24 over K products:
+    |bf16 logit - float32 logit| <= (2u + u^2 + 2.1 K e) * sum_i |h_i w_i| + 2u |bf16 logit|
+where the first term is rounding both inputs to bfloat16 plus both sums' float32 accumulation,
+the second the bfloat16 output's rounding, and sum_i |h_i w_i| <= ||h|| ||w|| (Cauchy-Schwarz).
+Rows holding a non-finite logit, or too many candidates, are computed in full.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops
+
+log = logging.getLogger("stoker.worker")
+
+# Candidates per row past which the row's full float32 logits are cheaper to compute.
+MAX_CANDIDATES = 64
+OUTPUT_REL = 2.0**-8  # the bfloat16 output's rounding, 2u
+SLACK = 1e-30  # flushed subnormal products (oneDNN's bfloat16 kernels flush them)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether the CPU computes bfloat16 dot products in hardware (AVX512-BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def wanted(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """STOKER_GREEDY_HEAD=on / off forces the choice; by default on for a float32 model on a CPU
+    with native bfloat16, whose LM head is panel-packed (the recompute must be the same kernel)
+    and whose logits are not soft-capped (the cap's rounding could make ties the head has not)."""
+    choice = os.environ.get("STOKER_GREEDY_HEAD", "auto")
+    if choice == "off" or device.type != "cpu" or dtype != torch.float32:
+        return False
+    packed = getattr(model, "packed_lm_head", None)
+    if packed is None or packed.dim() != 3 or getattr(model, "comm", None) is not None:
+        return False  # not panel-packed, or a tensor-parallel shard of the head
+    if model.cfg.final_softcap is not None or cpu_ops.load() is None:
+        return False
+    return choice == "on" or cpu_has_native_bf16()
+
+
+class GreedyHead:
+    """The argmax of `linear(hidden, packed)` for rows that need nothing else."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        """weight: the float32 LM head, [vocab, hidden], as packed into the model's panels."""
+        self.weight = weight
+        vocab, hidden = weight.shape
+        # float64 norms, rounded up: the bound must hold for the computed numbers too.
+        self.col_norm = (weight.double().norm(dim=1) * (1 + 1e-6)).float()
+        self.scale = (2 * 2.0**-9 + 2.0**-18 + 2.1 * hidden * 2.0**-24) * (1 + 1e-4)
+        bf16 = weight.detach().to(torch.bfloat16).contiguous()
+        if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(bf16, 64)
+            self._onednn = True
+        else:
+            self._packed, self._onednn = bf16, False
+        self.rows_screened = 0  # rows answered by the screen, and rows computed in full
+        self.rows_full = 0
+
+    def approx_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.to(torch.bfloat16)
+        if self._onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+        return F.linear(x, self._packed)
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[R] int64 greedy tokens of float32 hidden rows [R, hidden]; None: some row needs the
+        full head (the caller then computes the logits as usual)."""
+        module = cpu_ops.load()
+        assert module is not None
+        row_scale = (hidden.double().norm(dim=1) * self.scale).float()
+        candidates, counts = module.greedy_candidates(
+            self.approx_logits(hidden), row_scale, self.col_norm, OUTPUT_REL, SLACK, MAX_CANDIDATES
+        )
+        if bool((counts < 0).any()):
+            self.rows_full += len(hidden)
+            return None
+        # One recompute over every row's candidates: each row's maximum is among its own, so
+        # the maximum over the union is the same token (and the first of any tie).
+        union = torch.unique(candidates[candidates >= 0])  # sorted
+        n = len(union)
+        rows = self.weight[union]
+        pad = -n % 16
+        if pad:
+            rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+        exact = cpu_ops.panel_linear(hidden, cpu_ops.pack_panels(rows))[:, :n]
+        self.rows_screened += len(hidden)
+        return union[exact.argmax(dim=-1)]

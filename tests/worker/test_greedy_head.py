@@ -1,0 +1,119 @@
+"""The greedy head (services/worker/greedy_head.py): bfloat16 logits screened by a rounding bound,
+the candidates recomputed in float32, must give exactly the full float32 head's argmax, ties
+and near-ties included; rows it cannot bound go back to the full head. In the engine, greedy
+output with it equals greedy output without it, beside rows that need the full logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_ops
+from services.engine import LLM, SamplingParams
+from services.worker import greedy_head as gh
+from services.worker.greedy_head import GreedyHead
+from tests.factory import make_model
+
+_module = cpu_ops.load()
+pytestmark = pytest.mark.skipif(
+    _module is None or not _module.panel_linear_supported(),
+    reason="the greedy head recomputes with the panel kernel (native build, AVX2 + FMA CPU)",
+)
+
+
+def _full_argmax(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return cpu_ops.panel_linear(x, cpu_ops.pack_panels(weight)).argmax(dim=-1)
+
+
+def _heads(weight: torch.Tensor) -> list[GreedyHead]:
+    """The oneDNN bfloat16 path (where torch has it) and the plain F.linear one."""
+    heads = [GreedyHead(weight)]
+    plain = GreedyHead(weight)
+    plain._packed, plain._onednn = weight.to(torch.bfloat16), False
+    return [*heads, plain] if heads[0]._onednn else [plain]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 12, 33, 64])
+@pytest.mark.parametrize("scale", [0.1, 3.0, 40.0])
+def test_argmax_equals_the_full_heads(rows, scale):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(1024, 96, generator=gen) * 0.2
+    x = torch.randn(rows, 96, generator=gen) * scale
+    want = _full_argmax(weight, x)
+    for head in _heads(weight):
+        got = head.argmax(x)
+        assert got is not None and torch.equal(got, want)
+    assert head.rows_screened == rows and head.rows_full == 0
+
+
+def test_ties_and_near_ties_keep_the_first_maximum():
+    """Rows the bfloat16 logits cannot tell apart: exact duplicates (the first index wins, as
+    argmax's), and rows one float32 ulp apart (the larger one wins)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(512, 64, generator=gen) * 0.1
+    x = torch.randn(40, 64, generator=gen)
+    for r in range(40):
+        top = 100 + 5 * r
+        weight[top] = x[r] * 0.05
+        weight[top + 2] = weight[top]  # an exact tie with top: top must win
+        near = weight[top].clone()
+        near[r % 64] = torch.nextafter(near[r % 64], near[r % 64] * 2)  # one ulp further out
+        weight[top + 1 if r % 2 else top - 1] = near  # after or before top
+    want = _full_argmax(weight, x)
+    for head in _heads(weight):
+        got = head.argmax(x)
+        assert got is not None and torch.equal(got, want)
+
+
+def test_rows_it_cannot_bound_go_to_the_full_head():
+    weight = torch.randn(256, 32) * 0.1
+    head = GreedyHead(weight)
+    x = torch.randn(4, 32)
+    x[2, 0] = float("inf")
+    assert head.argmax(x) is None  # a non-finite logit
+    flat = GreedyHead(torch.ones(256, 32))  # every token ties: more candidates than allowed
+    assert flat.argmax(torch.randn(2, 32)) is None
+    assert head.rows_full == 4 and flat.rows_full == 2
+
+
+def test_the_screen_keeps_the_argmax_of_bfloat16_rounded_logits():
+    """The kernel alone: every row's float32 argmax is among its candidates, and the bound is
+    tight enough that few are kept."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(49152 // 16, 64, generator=gen) * 0.3
+    x = torch.randn(16, 64, generator=gen) * 5
+    head = GreedyHead(weight)
+    row_scale = (x.double().norm(dim=1) * head.scale).float()
+    candidates, counts = _module.greedy_candidates(
+        head.approx_logits(x), row_scale, head.col_norm, gh.OUTPUT_REL, gh.SLACK, 64
+    )
+    want = _full_argmax(weight, x)
+    for r in range(16):
+        kept = candidates[r, : counts[r]].tolist()
+        assert counts[r] >= 1 and want[r].item() in kept
+    assert counts.float().mean() < 8
+
+
+def test_engine_greedy_output_is_unchanged_with_it(tmp_path, monkeypatch):
+    """Steps of greedy rows take the head; a step holding a row that asks for logprobs or a
+    penalty computes the full logits. Outputs match an engine without the head."""
+    path = make_model(tmp_path / "m", "llama", tie_word_embeddings=True)
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(5 + 3 * i)] for i in range(6)]
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    mixed = [plain] * 4 + [
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, presence_penalty=1.0),
+    ]
+    outputs = {}
+    for mode in ("on", "off"):
+        monkeypatch.setenv("STOKER_GREEDY_HEAD", mode)
+        with LLM(str(path), num_kv_blocks=64, block_size=16) as llm:
+            runner = llm.engine.runner
+            assert (runner.greedy_head is not None) == (mode == "on")
+            outputs[mode] = [
+                [o.token_ids for o in llm.generate(prompts, plain, use_tqdm=False)],
+                [o.token_ids for o in llm.generate(prompts, mixed, use_tqdm=False)],
+            ]
+            if mode == "on":
+                assert runner.greedy_head.rows_screened > 0
+    assert outputs["on"] == outputs["off"]
