@@ -72,6 +72,8 @@ def load() -> ModuleType | None:
                         for name in (
                             "bindings.cpp",
                             "greedy_screen.cpp",
+                            "store_kv.cpp",
+                            "silu_mul.cpp",
                             "paged_decode_attention.cpp",
                             "norm_rope.cpp",
                             "panel_linear.cpp",
@@ -178,6 +180,36 @@ def add_rms_norm(
     if module is None or x.dim() != 2 or x.stride(1) != 1 or residual.stride(-1) != 1:
         return None
     return module.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up natively (float32 rows); None: use the reference."""
+    if gate_up.dtype != torch.float32 or not gate_up.is_cpu or gate_up.dim() != 2:
+        return None
+    if gate_up.stride(1) != 1 or gate_up.shape[1] % 2:
+        return None
+    module = load()
+    return None if module is None else module.silu_and_mul(gate_up)
+
+
+def store_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> bool:
+    """Write the rows natively; False: the caller uses the reference (index_copy_)."""
+    module = _native_rows(key_cache, value_cache, key, value)
+    if module is None or key.dim() != 3 or slot_mapping.dtype != torch.int64:
+        return False
+    if not slot_mapping.is_cpu or not key_cache.is_contiguous():
+        return False
+    for t in (key, value):  # rows of [kv_heads, head_dim] each contiguous (views into qkv are)
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            return False
+    module.store_kv(key_cache, value_cache, key, value, slot_mapping)
+    return True
 
 
 def apply_rotary(

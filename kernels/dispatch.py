@@ -142,6 +142,8 @@ def store_kv(
 ) -> None:
     if _use_triton(key_cache):
         return _attn().store_kv(key_cache, value_cache, key, value, slot_mapping)
+    if _use_native() and cpu_ops.store_kv(key_cache, value_cache, key, value, slot_mapping):
+        return None
     return _ref_attn.store_kv(key_cache, value_cache, key, value, slot_mapping)
 
 
@@ -319,7 +321,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [..., 2 * inter]: one triton pass on CUDA."""
     if _use_triton(gate_up):
         return _activation().silu_and_mul(gate_up)
-    return _ref_act.silu_and_mul(gate_up)
+    out = cpu_ops.silu_and_mul(gate_up) if _use_native() else None
+    return out if out is not None else _ref_act.silu_and_mul(gate_up)
 
 
 # -- sampling ------------------------------------------------------------------------------------

@@ -22,6 +22,11 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_candidates(torch::Tensor approx,
                                                            torch::Tensor col_norm, double rel,
                                                            double slack, int64_t max_per_row);
 
+void store_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key,
+              torch::Tensor value, torch::Tensor slot_mapping);
+
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports", &supports, "whether a head_dim / query-per-kv-head group has a kernel");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (fp32/bf16)");
@@ -35,6 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T (+ bias) against panel-packed W (fp32, AVX2 or AVX-512)");
   m.def("exponential_noise_rows", &exponential_noise_rows,
         "Exp(1) float32 noise [rows, vocab] from counter-based per-row keys");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused gate_up (fp32)");
+  m.def("store_kv", &store_kv, "new key/value rows into their paged-cache slots");
   m.def("greedy_candidates", &greedy_candidates,
         "per row, the tokens whose bounded bfloat16 logit may be the float32 argmax");
 }

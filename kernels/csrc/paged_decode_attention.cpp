@@ -27,14 +27,16 @@
 #include <vector>
 
 #include "bf16_bits.h"
+#include "vec_exp.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
+using stoker::i16;
+using stoker::v16;
+using stoker::vexp;
 
 inline v16 load(const float* p) {
   v16 v;
@@ -88,27 +90,6 @@ constexpr bool kHaveBf16Dot = false;
 
 constexpr int kBitrev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
-
-// exp on 16 lanes for softmax inputs (x <= 0): exp(x) = 2^k * p(r), k = round(x / ln 2),
-// r = x - k ln 2 (split in two constants), p a degree-6 polynomial (Cephes expf). ~2 ulp, and
-// vectorised, where std::exp is a scalar libm call per score.
-inline v16 vexp(v16 x) {
-  const v16 lo = v16{} - 87.f;  // a broadcast constant (x * 0 would be NaN for x = -inf)
-  x = x < lo ? lo : x;
-  // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer in float arithmetic.
-  const v16 k = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  const v16 r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
-  v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const i16 bits = (__builtin_convertvector(k, i16) + 127) << 23;
-  v16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // Horizontal max / sum in four halving steps.
 typedef float v8 __attribute__((vector_size(32)));

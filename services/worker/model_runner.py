@@ -42,7 +42,7 @@ from services.worker.parallel.comm import Communicator
 from services.worker.parallel.shard import local_kv_heads
 from services.worker.sampler import Sampler, token_logprobs
 from services.worker.sampling_state import RequestSampling, Row, batch_for
-from services.worker.spec_verify import VerifyGroup, verify
+from services.worker.spec_verify import VerifyGroup, accept_equal, verify
 from services.worker.step_inputs import (
     Chunk,
     StepInputs,
@@ -293,7 +293,7 @@ class ModelRunner:
         t2 = time.perf_counter()
         with span("sample"):
             if greedy_ids is not None:
-                outputs = [([t], None) for t in host_list(greedy_ids)]
+                outputs = self._greedy_outputs(sampled, ranges, chunks, greedy_ids)
             else:
                 outputs = self._sample(sampled, logits, ranges, chunks)
         for item in scheduled:
@@ -360,9 +360,7 @@ class ModelRunner:
             hidden = hidden[inputs.sample_rows]
         if not sampled:
             return None, None
-        if self.greedy_head is not None and all(
-            not i.k and i.state.sampling.argmax_only for i in sampled
-        ):
+        if self.greedy_head is not None and all(i.state.sampling.argmax_only for i in sampled):
             tokens = self.greedy_head.argmax(hidden)
             if tokens is not None:
                 return None, tokens
@@ -441,6 +439,16 @@ class ModelRunner:
                 for item, (first, _) in zip(sampled, ranges)
             ]
         return list(zip(tokens, self._logprobs(sampled, ranges, tokens, logits)))
+
+    def _greedy_outputs(self, sampled, ranges, chunks, greedy_ids):
+        """_sample's result from the greedy head's tokens: a plain row's token, or a verify's
+        drafts up to the first that differs from the target's argmax, then that argmax."""
+        ids = host_list(greedy_ids)
+        ranges = [r for r, c in zip(ranges, chunks) if c.num_sampled]
+        return [
+            (accept_equal(item.drafts, ids[first:last]) if item.k else [ids[first]], None)
+            for item, (first, last) in zip(sampled, ranges)
+        ]
 
     def _logprobs(self, sampled, ranges, tokens, logits) -> list[list[TokenLogprobs] | None]:
         """Per request, its tokens' logprobs if it asked: one pass over the rows that asked."""

@@ -54,18 +54,18 @@ def verify(
     for g in groups:
         k = len(g.drafts)
         if g.greedy:
-            out.append(_accept_equal(g.drafts, argmax[g.start : g.start + k + 1]))
+            out.append(accept_equal(g.drafts, argmax[g.start : g.start + k + 1]))
             continue
         assert probs is not None
         p = probs[g.start : g.start + k + 1]
         if g.seed is not None:
-            out.append(_accept_equal(g.drafts, _seeded_tokens(p, g)))
+            out.append(accept_equal(g.drafts, _seeded_tokens(p, g)))
         else:
             out.append(_rejection_sample(p / p.sum(dim=-1, keepdim=True), g, generator))
     return out
 
 
-def _accept_equal(drafts: list[int], target: list[int]) -> list[int]:
+def accept_equal(drafts: list[int], target: list[int]) -> list[int]:
     """The drafts up to the first that differs from the target's token there, then that token."""
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == target[accepted]:

@@ -95,6 +95,42 @@ def test_store_kv_writes_exactly_the_slots():
 
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
+@pytest.mark.parametrize("rows, inter", [(1, 16), (7, 40), (33, 1536), (300, 8)])
+def test_native_silu_and_mul_equals_the_reference(rows, inter):
+    """Within float32 rounding of torch's silu(gate) * up, from a strided view of a wider
+    projection too, and at inputs whose exp overflows or underflows."""
+    from kernels.activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 2 * inter + 6, generator=gen) * 6
+    wide[0, 3:7] = torch.tensor([120.0, -120.0, 0.0, 1e-30])  # the first gate values
+    gate_up = wide[:, 3 : 3 + 2 * inter]
+    got = cpu_ops.silu_and_mul(gate_up)
+    assert got is not None and got.shape == (rows, inter)
+    torch.testing.assert_close(got, silu_and_mul(gate_up), rtol=2e-6, atol=1e-30)
+    assert cpu_ops.silu_and_mul(gate_up.double()) is None  # other dtypes: the reference
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_store_kv_equals_the_reference(dtype):
+    """From views into a fused qkv projection (rows strided), as the attention block passes
+    them; the reference's result bit for bit, and nothing else touched."""
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 12 * 8 + 2 * 3 * 8, generator=gen).to(dtype)
+    k = qkv[:, 96:120].view(5, 3, 8)
+    v = qkv[:, 120:].view(5, 3, 8)
+    slots = torch.tensor([0, 9, 33, 34, 63])
+    want_k, want_v = torch.randn(2, 4, 16, 3, 8, generator=gen).to(dtype)
+    got_k, got_v = want_k.clone(), want_v.clone()
+    store_kv(want_k, want_v, k, v, slots)
+    assert cpu_ops.store_kv(got_k, got_v, k, v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_ops.store_kv(got_k, got_v, k, v, torch.tensor([0, 1, 2, 3, 64]))
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
 @pytest.mark.parametrize(
     "hq, hk, d, block_size",
     [(12, 4, 64, 16), (8, 8, 32, 16), (16, 2, 128, 32), (4, 2, 16, 8), (8, 1, 256, 16)],

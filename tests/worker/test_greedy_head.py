@@ -117,3 +117,21 @@ def test_engine_greedy_output_is_unchanged_with_it(tmp_path, monkeypatch):
             if mode == "on":
                 assert runner.greedy_head.rows_screened > 0
     assert outputs["on"] == outputs["off"]
+
+
+def test_greedy_verify_with_it_matches_plain_decoding(tmp_path, monkeypatch):
+    """n-gram verifies of greedy rows take their argmax from the head: the output is still the
+    target's own greedy output, with speculation on or off and the head on or off."""
+    path = make_model(tmp_path / "m", "llama")
+    prompts = [[5, 6, 7, 8, 9] * 6, [40, 41, 42] * 9, [100 + i for i in range(20)]]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for mode, spec in (("on", "ngram"), ("off", "ngram"), ("off", None)):
+        monkeypatch.setenv("STOKER_GREEDY_HEAD", mode)
+        with LLM(str(path), num_kv_blocks=64, block_size=16, speculative=spec) as llm:
+            outputs[mode, spec] = [
+                o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+            ]
+            if mode == "on":
+                assert llm.engine.runner.greedy_head.rows_screened > len(prompts) * 32 // 4
+    assert outputs["on", "ngram"] == outputs["off", "ngram"] == outputs["off", None]
