@@ -75,6 +75,7 @@ def load() -> ModuleType | None:
                             "store_kv.cpp",
                             "silu_mul.cpp",
                             "paged_decode_attention.cpp",
+                            "prefill_attention.cpp",
                             "norm_rope.cpp",
                             "panel_linear.cpp",
                             "sampling_noise.cpp",
@@ -123,6 +124,34 @@ def paged_decode_attention(
         return None
     args = (query, key_cache, value_cache, block_tables, context_lens, scale)
     return load().paged_decode_attention(*args, window or 0, softcap or 0.0)  # type: ignore[union-attr]
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    bounds: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor | None:
+    """Native attention of a step's prompt chunks (CPU, float32 or bfloat16), None where it does
+    not apply. query [T, Hq, D]: chunk s is rows [bounds[s], bounds[s + 1]), its last row at
+    position context_lens[s] - 1, its K/V already stored in the cache through block_tables[s]."""
+    if (
+        query.device.type != "cpu"
+        or query.dtype not in NATIVE_DTYPES
+        or key_cache.dtype != query.dtype
+        or query.shape[1] % key_cache.shape[2]
+    ):
+        return None
+    module = load()
+    if module is None or not module.prefill_supports(query.shape[2]):
+        return None
+    args = (query, key_cache, value_cache, block_tables, bounds, context_lens, scale)
+    return module.prefill_attention(*args, window or 0, softcap or 0.0)
 
 
 def use_panel_linear() -> bool:

@@ -193,6 +193,25 @@ def paged_prefill_attention(
     return _ref_attn.paged_prefill_attention(*args)
 
 
+def prefill_attention_batched(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    bounds: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor | None:
+    """Every prompt chunk of a step in one native CPU call (`cpu_ops.prefill_attention`); None
+    where that does not apply, and the caller attends chunk by chunk."""
+    if _use_triton(query, key_cache, value_cache) or not _use_native():
+        return None
+    args = (query, key_cache, value_cache, block_tables, bounds, context_lens, scale)
+    return cpu_ops.prefill_attention(*args, window, softcap)
+
+
 def causal_attention(
     query: torch.Tensor,
     key: torch.Tensor,

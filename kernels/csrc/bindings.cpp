@@ -4,6 +4,11 @@
 #include <tuple>
 
 bool supports(int64_t head_dim, int64_t group);
+bool prefill_supports(int64_t head_dim);
+torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache,
+                                torch::Tensor value_cache, torch::Tensor block_tables,
+                                torch::Tensor bounds, torch::Tensor context_lens, double scale,
+                                int64_t window, double softcap);
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
                                      torch::Tensor value_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, int64_t window,
@@ -30,6 +35,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports", &supports, "whether a head_dim / query-per-kv-head group has a kernel");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (fp32/bf16)");
+  m.def("prefill_supports", &prefill_supports, "whether a head_dim has a prefill kernel");
+  m.def("prefill_attention", &prefill_attention,
+        "causal attention of a step's prompt chunks through the paged cache (fp32/bf16)");
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (fp32/bf16)");
   m.def("add_rms_norm", &add_rms_norm, "(rms_norm(x + residual), x + residual) (fp32/bf16)");
   m.def("apply_rotary", &apply_rotary, "rotary embedding of q and k (fp32/bf16)");

@@ -29,3 +29,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks]
     decode_context_lens: torch.Tensor | None  # [num_decode]
     prefills: list[PrefillSpan]
+    # The prefill spans again as one batch, for the native CPU kernel (kernels/cpu_ops.py) that
+    # attends all of them in one call: span s is rows [num_decode + bounds[s], num_decode +
+    # bounds[s + 1]) with context lens[s] through tables[s]. None off the CPU.
+    prefill_tables: torch.Tensor | None = None  # [S, max_blocks]
+    prefill_bounds: torch.Tensor | None = None  # [S + 1]
+    prefill_lens: torch.Tensor | None = None  # [S]

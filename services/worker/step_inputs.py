@@ -125,6 +125,15 @@ def build_step_inputs(
         decode_context_lens=decode_lens,
         prefills=spans,
     )
+    if long_chunks and device.type == "cpu":
+        ends = [span.context_len for span in spans]
+        widths = [-(-end // bs) for end in ends]
+        tables = np.zeros((len(spans), max(widths)), dtype=np.int64)
+        for i, (chunk, width) in enumerate(zip(long_chunks, widths)):
+            tables[i, :width] = chunk.block_ids[:width]
+        meta.prefill_tables = torch.from_numpy(tables)
+        meta.prefill_bounds = torch.tensor([0] + [s.end - num_decode for s in spans])
+        meta.prefill_lens = torch.tensor(ends)
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
         positions=torch.from_numpy(positions).to(device),

@@ -306,3 +306,78 @@ def test_native_decode_rejects_bad_tables_instead_of_reading_stray_memory():
         cpu_ops.paged_decode_attention(q, kc, vc, bad, torch.tensor([20, 5]), 0.25)
     with pytest.raises(RuntimeError, match="context length"):
         cpu_ops.paged_decode_attention(q, kc, vc, tables, torch.tensor([0, 5]), 0.25)
+
+
+def _prefill_case(spans, hq, hk, d, block_size, dtype=torch.float32, seed=6):
+    """Chunks (cached prefix, chunk length) laid out as one call of the native prefill kernel."""
+    lens = [prefix + n for prefix, n in spans]
+    kc, vc, tables = _paged_setup(len(spans), hq, hk, d, block_size, lens, seed=seed)
+    q = torch.randn(sum(n for _, n in spans), hq, d, generator=torch.Generator().manual_seed(seed))
+    bounds = torch.tensor([0] + [int(x) for x in torch.tensor([n for _, n in spans]).cumsum(0)])
+    return (q * 3).to(dtype), kc.to(dtype), vc.to(dtype), tables, bounds, torch.tensor(lens)
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
+@pytest.mark.parametrize(
+    "hq, hk, d, block_size",
+    [
+        (9, 3, 64, 16),
+        (12, 4, 64, 16),
+        (8, 8, 32, 8),
+        (16, 2, 128, 32),
+        (8, 1, 256, 16),
+        (4, 2, 16, 8),
+    ],
+)
+@pytest.mark.parametrize(
+    "spans",
+    [
+        [(0, 160)],  # one prompt: rows across three 64-row work items, keys across 32-key blocks
+        [(0, 1), (0, 7), (5, 33), (100, 64), (0, 65), (31, 17)],  # many chunks, mixed prefixes
+    ],
+)
+def test_native_prefill_matches_reference(hq, hk, d, block_size, spans):
+    q, kc, vc, tables, bounds, lens = _prefill_case(spans, hq, hk, d, block_size)
+    got = cpu_ops.prefill_attention(q, kc, vc, tables, bounds, lens, d**-0.5)
+    assert got is not None and got.shape == q.shape
+    for s, context_len in enumerate(lens.tolist()):
+        rows = slice(int(bounds[s]), int(bounds[s + 1]))
+        want = paged_prefill_attention(q[rows], kc, vc, tables[s], context_len, d**-0.5)
+        torch.testing.assert_close(got[rows], want, rtol=1e-5, atol=1e-5)
+        if spans[s][0] == 0:  # no cached prefix: also the plain causal attention over its rows
+            n = rows.stop - rows.start
+            keys = torch.stack([kc[tables[s][t // block_size], t % block_size] for t in range(n)])
+            vals = torch.stack([vc[tables[s][t // block_size], t % block_size] for t in range(n)])
+            plain = causal_attention(q[rows], keys, vals, d**-0.5)
+            torch.testing.assert_close(got[rows], plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
+def test_native_prefill_reads_a_bfloat16_cache():
+    # float32 arithmetic on the bfloat16 values: equal to float32 attention over the same values
+    # up to the output's one rounding.
+    q, kc, vc, tables, bounds, lens = _prefill_case(
+        [(0, 70), (20, 40)], 9, 3, 64, 16, dtype=torch.bfloat16
+    )
+    got = cpu_ops.prefill_attention(q, kc, vc, tables, bounds, lens, 0.125)
+    assert got is not None and got.dtype == torch.bfloat16
+    for s, context_len in enumerate(lens.tolist()):
+        rows = slice(int(bounds[s]), int(bounds[s + 1]))
+        want = paged_prefill_attention(
+            q[rows].float(), kc.float(), vc.float(), tables[s], context_len, 0.125
+        )
+        assert (got[rows].float() - want).abs().max() <= want.abs().max() * 2**-8
+    assert cpu_ops.prefill_attention(q, kc.float(), vc.float(), tables, bounds, lens, 0.1) is None
+
+
+@pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
+def test_native_prefill_declines_head_dims_without_a_kernel_and_rejects_bad_tables():
+    q, kc, vc, tables, bounds, lens = _prefill_case([(0, 20)], 4, 4, 48, 16)
+    assert cpu_ops.prefill_attention(q, kc, vc, tables, bounds, lens, 0.1) is None
+    q, kc, vc, tables, bounds, lens = _prefill_case([(3, 20), (0, 5)], 4, 2, 32, 16)
+    bad = tables.clone()
+    bad[0, 1] = kc.shape[0]  # past the pool, inside the first chunk's context
+    with pytest.raises(RuntimeError, match="block id"):
+        cpu_ops.prefill_attention(q, kc, vc, bad, bounds, lens, 0.25)
+    with pytest.raises(RuntimeError, match="context length"):
+        cpu_ops.prefill_attention(q, kc, vc, tables, bounds, torch.tensor([10, 5]), 0.25)

@@ -1,7 +1,9 @@
 """Sliding-window attention and score soft-capping: the torch references against a naive
-per-token loop, and the native CPU decode kernel against the references."""
+per-token loop, and the native CPU decode and prefill kernels against the references."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -106,3 +108,26 @@ def test_native_decode_matches_reference(window, softcap, hq, hk, d, block_size)
     got = cpu_ops.paged_decode_attention(*args)
     assert got is not None
     torch.testing.assert_close(got, paged_decode_attention(*args), rtol=1e-5, atol=1e-5)
+
+
+@native
+@pytest.mark.parametrize("window, softcap", SETTINGS + [(16, None), (1, None)])
+@pytest.mark.parametrize("hq, hk, d", [(9, 3, 64), (4, 4, 32), (6, 2, 128)])
+def test_native_prefill_matches_reference(window, softcap, hq, hk, d):
+    # One call over chunks with and without a cached prefix; windows shorter and longer than a
+    # work item's rows, so an item's first rows see keys its last rows no longer do.
+    spans = [(0, 70), (40, 30), (200, 7), (0, 1)]  # (cached prefix, chunk length)
+    lens = [p + n for p, n in spans]
+    kc, vc, tables = _paged_setup(len(spans), hq, hk, d, 16, lens, seed=4)
+    q = torch.randn(sum(n for _, n in spans), hq, d) * 3
+    bounds = torch.tensor([0] + list(itertools.accumulate(n for _, n in spans)))
+    got = cpu_ops.prefill_attention(
+        q, kc, vc, tables, bounds, torch.tensor(lens), d**-0.5, window, softcap
+    )
+    assert got is not None
+    for s, context_len in enumerate(lens):
+        rows = slice(int(bounds[s]), int(bounds[s + 1]))
+        want = paged_prefill_attention(
+            q[rows], kc, vc, tables[s], context_len, d**-0.5, window, softcap
+        )
+        torch.testing.assert_close(got[rows], want, rtol=1e-5, atol=1e-5)

@@ -125,3 +125,17 @@ def test_random_layouts_match_the_per_row_definition():
         assert inputs.sample_rows.tolist() == expected
         for dtype_of in (inputs.input_ids, inputs.positions, inputs.meta.slot_mapping):
             assert dtype_of.dtype == torch.int64
+
+
+def test_prefill_spans_are_also_laid_out_as_one_batch_for_the_native_kernel():
+    decode = Chunk([5], 9, [1, 2, 3], 1)
+    fresh = Chunk(list(range(20)), 0, [7, 8, 9, 10, 11], 1)  # 20 tokens from position 0
+    tail = Chunk(list(range(17)), 30, [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32], 1)
+    meta = build_step_inputs([decode, fresh, tail], BS, torch.device("cpu")).meta
+    assert meta.num_decode == 1
+    assert meta.prefill_bounds.tolist() == [0, 20, 37]  # rows after the decode rows
+    assert meta.prefill_lens.tolist() == [20, 47]
+    tables = meta.prefill_tables.tolist()
+    assert tables[0][:5] == [7, 8, 9, 10, 11] and tables[1] == tail.block_ids[:12]
+    only_decodes = build_step_inputs([decode], BS, torch.device("cpu")).meta
+    assert only_decodes.prefill_tables is None

@@ -22,6 +22,7 @@ from kernels.dispatch import (  # triton on CUDA, the torch references elsewhere
     causal_attention,
     paged_decode_attention,
     paged_prefill_attention,
+    prefill_attention_batched,
     qk_norm_rotary,
     rms_norm,
     silu_and_mul,
@@ -186,6 +187,23 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         if decoded is not None:
             out[:nd] = decoded
+        if meta.prefill_tables is not None:  # every prompt chunk in one call (native CPU kernel)
+            assert meta.prefill_bounds is not None and meta.prefill_lens is not None
+            prefilled = prefill_attention_batched(
+                q[nd:],
+                key_cache,
+                value_cache,
+                meta.prefill_tables,
+                meta.prefill_bounds,
+                meta.prefill_lens,
+                self.scale,
+                **opts,
+            )
+            if prefilled is not None:
+                if decoded is None:
+                    return prefilled
+                out[nd:] = prefilled
+                return out
         for prefill in meta.prefills:
             rows = slice(prefill.start, prefill.end)
             if prefill.block_table is None:
