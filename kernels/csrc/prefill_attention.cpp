@@ -96,35 +96,31 @@ inline void pv_tile(const float* p, int64_t ldp, const float* v, int64_t n, floa
   }
 }
 
+// The tiles above for the 1-6 query vectors left in a work item's last tile.
 template <int D>
-struct Tiles {
-  template <int R>
-  static void qk(const float* q, const float* kt, int64_t ld, int64_t blocks, float* s,
-                 int64_t lds) {
-    qk_tile<R, D>(q, kt, ld, blocks, s, lds);
+void qk_rows(int r, const float* q, const float* kt, int64_t ld, int64_t blocks, float* s,
+             int64_t lds) {
+  switch (r) {
+    case 6: return qk_tile<6, D>(q, kt, ld, blocks, s, lds);
+    case 5: return qk_tile<5, D>(q, kt, ld, blocks, s, lds);
+    case 4: return qk_tile<4, D>(q, kt, ld, blocks, s, lds);
+    case 3: return qk_tile<3, D>(q, kt, ld, blocks, s, lds);
+    case 2: return qk_tile<2, D>(q, kt, ld, blocks, s, lds);
+    default: return qk_tile<1, D>(q, kt, ld, blocks, s, lds);
   }
-  static void qk_n(int r, const float* q, const float* kt, int64_t ld, int64_t blocks, float* s,
-                   int64_t lds) {
-    switch (r) {
-      case 6: return qk<6>(q, kt, ld, blocks, s, lds);
-      case 5: return qk<5>(q, kt, ld, blocks, s, lds);
-      case 4: return qk<4>(q, kt, ld, blocks, s, lds);
-      case 3: return qk<3>(q, kt, ld, blocks, s, lds);
-      case 2: return qk<2>(q, kt, ld, blocks, s, lds);
-      default: return qk<1>(q, kt, ld, blocks, s, lds);
-    }
+}
+
+template <int D>
+void pv_rows(int r, const float* p, int64_t ldp, const float* v, int64_t n, float* out) {
+  switch (r) {
+    case 6: return pv_tile<6, D>(p, ldp, v, n, out);
+    case 5: return pv_tile<5, D>(p, ldp, v, n, out);
+    case 4: return pv_tile<4, D>(p, ldp, v, n, out);
+    case 3: return pv_tile<3, D>(p, ldp, v, n, out);
+    case 2: return pv_tile<2, D>(p, ldp, v, n, out);
+    default: return pv_tile<1, D>(p, ldp, v, n, out);
   }
-  static void pv_n(int r, const float* p, int64_t ldp, const float* v, int64_t n, float* out) {
-    switch (r) {
-      case 6: return pv_tile<6, D>(p, ldp, v, n, out);
-      case 5: return pv_tile<5, D>(p, ldp, v, n, out);
-      case 4: return pv_tile<4, D>(p, ldp, v, n, out);
-      case 3: return pv_tile<3, D>(p, ldp, v, n, out);
-      case 2: return pv_tile<2, D>(p, ldp, v, n, out);
-      default: return pv_tile<1, D>(p, ldp, v, n, out);
-    }
-  }
-};
+}
 
 struct Shape {
   int64_t Hq, Hk, G, BS, MB, row;  // row: values per cache slot (Hk * D)
@@ -179,7 +175,7 @@ void run_item(const Item& it, const T* q, const T* kc, const T* vc, const int64_
     const int nv = static_cast<int>(std::min<int64_t>(kTileVectors, nvec - v0));
     const int64_t last_row = it.r0 + (v0 + nv - 1) / G;
     const int64_t tile_keys = hi_of(last_row) - klo;  // keys [0, tile_keys) of the buffer
-    Tiles<D>::qk_n(nv, qb + v0 * D, kt, ld, (tile_keys + 31) / 32, s, ld);
+    qk_rows<D>(nv, qb + v0 * D, kt, ld, (tile_keys + 31) / 32, s, ld);
     for (int i = 0; i < nv; ++i) {
       const int64_t r = it.r0 + (v0 + i) / G;
       const int64_t a = lo_of(r) - klo, b = hi_of(r) - klo;  // this vector's visible keys
@@ -209,7 +205,7 @@ void run_item(const Item& it, const T* q, const T* kc, const T* vc, const int64_
       for (int l = 0; l < 16; ++l) total += sum[l];
       inv[i] = 1.f / total;
     }
-    Tiles<D>::pv_n(nv, s, ld, vb, tile_keys, ob);
+    pv_rows<D>(nv, s, ld, vb, tile_keys, ob);
     for (int i = 0; i < nv; ++i) {
       const int64_t r = it.r0 + (v0 + i) / G, g = (v0 + i) % G;
       T* dst = out + (r * sh.Hq + it.head * G + g) * D;

@@ -184,9 +184,6 @@ class Attention(nn.Module):
             )
             if not meta.prefills:
                 return decoded  # a decode-only step: no copy into a combined output
-        out = torch.empty_like(q)
-        if decoded is not None:
-            out[:nd] = decoded
         if meta.prefill_tables is not None:  # every prompt chunk in one call (native CPU kernel)
             assert meta.prefill_bounds is not None and meta.prefill_lens is not None
             prefilled = prefill_attention_batched(
@@ -200,10 +197,10 @@ class Attention(nn.Module):
                 **opts,
             )
             if prefilled is not None:
-                if decoded is None:
-                    return prefilled
-                out[nd:] = prefilled
-                return out
+                return prefilled if decoded is None else torch.cat([decoded, prefilled])
+        out = torch.empty_like(q)
+        if decoded is not None:
+            out[:nd] = decoded
         for prefill in meta.prefills:
             rows = slice(prefill.start, prefill.end)
             if prefill.block_table is None:
