@@ -54,6 +54,43 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float = 600) -> float:
     raise TimeoutError(url)
 
 
+def process_cpu_seconds(root_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each process under root_pid, by role: the
+    `services.<role>` module a process runs, or "launcher"; several of a role add up."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        stats[int(entry)] = fields
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    out: dict[str, float] = {}
+    todo = [root_pid]
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        if pid not in stats:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        role = "launcher"
+        for a in args:
+            if a.startswith(b"services.") and a != b"services.cli":
+                role = a.decode().removeprefix("services.")
+        utime, stime = int(stats[pid][11]), int(stats[pid][12])
+        out[role] = out.get(role, 0.0) + (utime + stime) / tick
+    return out
+
+
 class Server:
     def __init__(
         self, model: str, flags: list[str], peer: bool = False, log: Path | None = None
@@ -180,14 +217,21 @@ def scenario(name: str, a: argparse.Namespace) -> dict:
         flags = ["--max-num-seqs", "512", "--num-kv-blocks", str(blocks), "--block-size", "16"]
         s = Server(model, ["--null-model", *flags])
         try:
+            cpu0, client0 = process_cpu_seconds(s.proc.pid), time.process_time()
             r = bench(s, [
                 "--random-input-len", "64", "--random-output-len", str(a.output_len),
                 "--num-prompts", str(a.concurrency * 2), "--max-concurrency", str(a.concurrency),
                 "--metric-percentiles", "50,99",
             ])  # fmt: skip
+            cpu1, client1 = process_cpu_seconds(s.proc.pid), time.process_time()
             m = s.metrics()
         finally:
             s.stop()
+        # Where the two cores went: CPU per streamed token of each process (the client is this
+        # one, in process).
+        per_token = {k: (cpu1[k] - cpu0.get(k, 0.0)) / r["total_output_tokens"] for k in cpu1}
+        per_token["client"] = (client1 - client0) / r["total_output_tokens"]
+        r["cpu_us_per_token"] = {k: round(v * 1e6, 2) for k, v in sorted(per_token.items())}
         r["scheduler_step_p50_s"] = histogram_quantile(m, "stoker:step_schedule_seconds", 0.5)
         r["scheduler_step_p99_s"] = histogram_quantile(m, "stoker:step_schedule_seconds", 0.99)
         cpu = "stoker:step_schedule_cpu_seconds"

@@ -13,10 +13,11 @@ import time
 
 import msgspec
 
-# From 10 µs (a scheduler step at batch 1) to 5 s (a long CPU prefill).
+# From 10 µs (a scheduler step at batch 1) to 5 s (a long CPU prefill); finer from 25 to
+# 500 µs, where a scheduler step at hundreds of running requests falls.
 STEP_BUCKETS = (
-    1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0,
-    2.0, 5.0,
+    1e-5, 2.5e-5, 5e-5, 7.5e-5, 1e-4, 1.25e-4, 1.5e-4, 2e-4, 3e-4, 5e-4, 1e-3, 2e-3, 5e-3, 0.01,
+    0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
 )  # fmt: skip
 
 STEP_METRICS = {
