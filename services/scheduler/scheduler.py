@@ -152,21 +152,28 @@ class Scheduler:
         add_id = running.req_ids.append
         fast = self.fast_paths and not speculate
         self._row_patches = patches = []
+        # The budget is checked in bulk for steady rows: while `slack` (what would be left if
+        # every row not yet reached took one token) is >= 0, each of them fits. Other rows
+        # compute the exact budget: what the rows emitted so far took, one token each plus
+        # `extra`.
+        budget0, extra = budget, 0
+        slack = budget - len(running_list)
+        steady_ok = fast and slack >= 0
         # A for loop over a list that preemption shortens from the end: popped requests are
         # simply not reached.
         for request in running_list:
-            if budget <= 0:
-                break
             computed = request.num_computed_tokens
-            if computed < request.decode_until and fast:
+            if computed < request.decode_until and steady_ok:
                 add_id(request.req_id)
                 request.num_computed_tokens = computed + 1
                 request.num_placeholders += 1  # it samples
                 # In steady decode every known token's KV is computed or planned.
                 if len(request.token_ids) >= request.hash_at_len:
                     self._key_blocks(request, len(request.token_ids))
-                budget -= 1
                 continue
+            budget = budget0 - len(running.req_ids) - extra
+            if budget <= 0:
+                break
             if computed == request.decode_until and fast and computed < request.token_limit - 1:
                 # Steady decode that has filled its blocks: one more block, unless the pool
                 # is out (then the general path below preempts).
@@ -179,7 +186,6 @@ class Scheduler:
                     request.decode_until = min(computed + bs, request.token_limit - 1)
                     if len(request.token_ids) >= request.hash_at_len:
                         self._key_blocks(request, len(request.token_ids))
-                    budget -= 1
                     continue
             pending = request.num_planned_tokens - request.num_computed_tokens
             # Prefilling (or recomputing after preemption): a prompt chunk, under the cap.
@@ -195,22 +201,28 @@ class Scheduler:
                     drafts = self._drafts(request, budget)
                     num_tokens += drafts if isinstance(drafts, int) else len(drafts)
             if num_tokens <= 0 or request.is_done_after_inflight(self.config.max_model_len):
+                slack += 1  # its token is free for the rows behind it
                 continue
             new_blocks = self._allocate(request, num_tokens)
             while new_blocks is None:
                 victim = running_list.pop()
                 self._preempt(victim)
                 preempted = True
+                slack += 1  # a row not reached, or this one
                 if victim is request:
                     break
                 new_blocks = self._allocate(request, num_tokens)
             if new_blocks is None:
                 break
+            rows = len(running.req_ids)
             self._emit(request, num_tokens, new_blocks, new_requests, running, drafts)
-            budget -= num_tokens
+            extra += num_tokens - (len(running.req_ids) - rows)
+            slack -= num_tokens - 1
+            steady_ok = fast and slack >= 0
             if prompt_chunk:
                 prefill_left -= num_tokens
 
+        budget = budget0 - len(running.req_ids) - extra
         while (
             self.waiting
             and budget > 0
@@ -420,9 +432,7 @@ class Scheduler:
         the general path with its per-request calls inlined."""
         if len(req_ids) != plan.num_requests:  # some rows computed a prompt chunk, no token
             self._cache_computed_blocks(plan)
-            cache_each = False
-        else:
-            cache_each = True  # the rows are the plan's requests: key blocks in the same loop
+        # else the rows are the plan's requests: the loop keys their blocks
         updates: list[RequestUpdate] = []
         add_update = updates.append
         requests = self.requests
@@ -432,22 +442,23 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None or request.status is not running_status:
                 continue  # aborted or preempted while the step ran: drop the token
-            ids = request.token_ids
-            if cache_each:  # as _cache_computed_blocks, before a finish frees the blocks
-                known = request.num_computed_tokens
-                if known > len(ids):
-                    known = len(ids)
-                if known >= request.hash_at_len:
-                    self._key_blocks(request, known)
             if request.spec_inflight >= 0:
                 update = self._append(request, [token], None)
                 if update is not None:
                     add_update(update)
                 continue
             request.num_placeholders -= 1
+            ids = request.token_ids
             ids.append(token)
+            n = len(ids)
+            # Key a block as soon as its last token is known and its KV computed or planned
+            # (with overlap, the step in flight computes the token just appended), and before
+            # a finish frees the blocks: as _key_known, inlined.
+            known = request.num_computed_tokens
+            if known >= request.hash_at_len and n >= request.hash_at_len:
+                self._key_blocks(request, known if known < n else n)
             # token_limit is min(prompt + max_tokens, max_model_len): one test for both lengths.
-            if token in request.stop_ids or len(ids) >= request.token_limit:
+            if token in request.stop_ids or n >= request.token_limit:
                 reason = request.check_stop(max_len)
                 assert reason is not None
                 self.running.remove(request)
@@ -471,16 +482,24 @@ class Scheduler:
             request.spec_inflight = -1
             self.spec.on_result(request, drafts, accepted)
         max_len = self.config.max_model_len
+        reason = None
         for i, token in enumerate(tokens):
             request.token_ids.append(token)
             reason = request.check_stop(max_len)
             if reason is not None:
-                self.running.remove(request)
-                self._finish(request, reason)
-                return RequestUpdate(
-                    request.req_id, tokens[: i + 1], request, reason, _cut(logprobs, i + 1)
-                )
-        return RequestUpdate(request.req_id, tokens, request, None, logprobs)
+                tokens, logprobs = tokens[: i + 1], _cut(logprobs, i + 1)
+                break
+        self._key_known(request)  # before a finish frees the blocks
+        if reason is not None:
+            self.running.remove(request)
+            self._finish(request, reason)
+        return RequestUpdate(request.req_id, tokens, request, reason, logprobs)
+
+    def _key_known(self, request: Request) -> None:
+        """Key the full blocks of known tokens whose KV is computed or planned."""
+        known = min(request.num_computed_tokens, len(request.token_ids))
+        if known >= request.hash_at_len:
+            self._key_blocks(request, known)
 
     def _cache_computed_blocks(self, plan: StepPlan) -> None:
         ids = [n.req_id for n in plan.new_requests] + plan.running.req_ids
