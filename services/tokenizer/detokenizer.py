@@ -11,6 +11,7 @@ a final eos / stop token id is detokenized.
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 _CONTEXT_TOKENS = 5
 
 
-@dataclass
+@dataclass(slots=True)
 class DetokenizerDelta:
     text: str  # new text to stream (may be "")
     stopped: bool
@@ -60,7 +61,7 @@ class IncrementalDetokenizer:
 
         # Mirror of the stream's window, for finish(): ids whose text is accounted for, and ids
         # stepped since the stream last produced text (an unfinished character).
-        self._context: list[int] = []
+        self._context: collections.deque[int] = collections.deque(maxlen=_CONTEXT_TOKENS)
         self._pending: list[int] = []
         self._stream = DecodeStream(skip_special_tokens=self._skip_special)
         self._prompt_residue = ""
@@ -77,6 +78,8 @@ class IncrementalDetokenizer:
     def add_tokens(self, token_ids: Sequence[int]) -> DetokenizerDelta:
         if self.stopped:
             return DetokenizerDelta("", True)
+        if len(token_ids) == 1:  # the common case: one decode step's token
+            return self._emit(self._step(token_ids[0]), final=False)
         return self._emit("".join([self._step(t) for t in token_ids]), final=False)
 
     def finish(self) -> DetokenizerDelta:
@@ -86,7 +89,8 @@ class IncrementalDetokenizer:
         if self.stopped:
             return DetokenizerDelta("", True)
         tail = self._drop_prompt_residue(self._flush_pending()) if self._pending else ""
-        self._context, self._pending = [], []
+        self._context.clear()
+        self._pending = []
         return self._emit(tail, final=True)
 
     def _step(self, token_id: int) -> str:
@@ -98,19 +102,23 @@ class IncrementalDetokenizer:
             # Some decoders are not prefix-stable (vllm-project/vllm#17448), which breaks the
             # stream's window. Restart without context rather than fail the request.
             self._stream = DecodeStream(skip_special_tokens=self._skip_special)
-            self._context, self._pending, self._prompt_residue = [], [], ""
+            self._context.clear()
+            self._pending, self._prompt_residue = [], ""
             piece = self._stream.step(self._tokenizer, token_id)
-        self._pending.append(token_id)
         if piece is None:
+            self._pending.append(token_id)
             return ""
-        self._context = (self._context + self._pending)[-_CONTEXT_TOKENS:]
-        self._pending = []
-        return self._drop_prompt_residue(piece)
+        if self._pending:
+            self._context.extend(self._pending)
+            self._pending = []
+        self._context.append(token_id)
+        return self._drop_prompt_residue(piece) if self._prompt_residue else piece
 
     def _flush_pending(self) -> str:
         """Text of the pending ids, unfinished characters replaced, as the stream would give."""
-        prefix = self._decode(self._context)
-        full = self._decode(self._context + self._pending)
+        context = list(self._context)
+        prefix = self._decode(context)
+        full = self._decode(context + self._pending)
         return full[len(prefix) :] if full.startswith(prefix) else self._decode(self._pending)
 
     def _drop_prompt_residue(self, text: str) -> str:
@@ -118,6 +126,8 @@ class IncrementalDetokenizer:
         return text[len(os.path.commonprefix([residue, text])) :]
 
     def _emit(self, new_text: str, final: bool) -> DetokenizerDelta:
+        if not self._stops:
+            return DetokenizerDelta(new_text, False)
         # Only held text plus new text can contain a stop string: anything streamed earlier was
         # released precisely because no stop string could start in it.
         buf = self._held + new_text
