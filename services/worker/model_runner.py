@@ -21,6 +21,7 @@ from common.model_config import ModelConfig, resolve_max_model_len
 from common.profiling import span
 from common.sampling_params import SamplingParams
 from kernels import cpu_ops
+from services.worker.block_table import BlockTable
 from services.worker.cpu_tuning import keep_freed_memory
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from services.worker.drafter import Drafter
@@ -74,6 +75,7 @@ class RequestState:
     block_ids: list[int]
     num_computed: int  # tokens whose K/V are in the cache
     sampling: RequestSampling  # penalty counts and logit_bias on the device
+    table_row: int = -1  # its row in the runner's BlockTable (a mirror of block_ids)
 
 
 class ModelRunner:
@@ -155,6 +157,7 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+        self.block_table = BlockTable(-(-self.max_model_len // self.block_size))
         self.graphs: DecodeGraphs | None = None
         if capture:
             self.use_decode_graphs(capture=True)
@@ -221,9 +224,7 @@ class ModelRunner:
 
     def _apply_plan(self, plan: StepPlan) -> list[Scheduled]:
         for req_id in plan.finished_req_ids:
-            self.requests.pop(req_id, None)
-            if self.drafter is not None:
-                self.drafter.drop(req_id)
+            self.drop_request(req_id)
         scheduled: list[Scheduled] = []
         for new in plan.new_requests:
             prompt = unpack_ids(new.prompt_token_ids)
@@ -239,6 +240,10 @@ class ModelRunner:
                     new.params, prompt, output, self.model_cfg.vocab_size, self.device
                 ),
             )
+            old = self.requests.get(new.req_id)
+            if old is not None:  # resent without a finish: the new state replaces it
+                self.block_table.release(old.table_row)
+            state.table_row = self.block_table.add(state.block_ids)
             self.requests[new.req_id] = state
             scheduled.append(Scheduled(state, new.num_scheduled_tokens))
         running = plan.running
@@ -250,8 +255,17 @@ class ModelRunner:
             state = self.requests[req_id]
             if new_blocks:
                 state.block_ids.extend(new_blocks)
+                self.block_table.append(state.table_row, new_blocks)
             scheduled.append(Scheduled(state, num_tokens, unpack_ids(drafts) if drafts else [], k))
         return scheduled
+
+    def drop_request(self, req_id: str) -> None:
+        """Forget a finished, aborted or preempted request (unknown ids are ignored)."""
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self.block_table.release(state.table_row)
+        if self.drafter is not None:
+            self.drafter.drop(req_id)
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -272,7 +286,9 @@ class ModelRunner:
             ranges = sample_ranges(chunks)
             inputs = None
         else:
-            inputs = build_step_inputs(chunks, self.block_size, self.device, self.decode_chunk)
+            inputs = build_step_inputs(
+                chunks, self.block_size, self.device, self.decode_chunk, self.block_table.table
+            )
             ranges = inputs.sample_ranges
         t1 = time.perf_counter()
         logits = greedy_ids = None
@@ -392,10 +408,11 @@ class ModelRunner:
         state = item.state
         start = state.num_computed
         if item.k:  # verify: the last known token, then the drafts; logits at every position
-            return Chunk([state.token_ids[-1], *item.drafts], start, state.block_ids, item.k + 1)
+            drafts = [state.token_ids[-1], *item.drafts]
+            return Chunk(drafts, start, state.block_ids, item.k + 1, state.table_row)
         end = start + item.num_tokens
         sample = 1 if end == len(state.token_ids) else 0
-        return Chunk(state.token_ids[start:end], start, state.block_ids, sample)
+        return Chunk(state.token_ids[start:end], start, state.block_ids, sample, state.table_row)
 
     def _sample(self, sampled, logits, ranges, chunks):
         """Per sampled request: (new tokens, their logprobs or None). ranges: per chunk, its

@@ -135,9 +135,7 @@ def _rank_died(pid: int, code: int) -> None:
 def forget_requests(runner: ModelRunner) -> None:
     """A new scheduler knows none of the old requests, and hands their blocks out afresh."""
     for req_id in list(runner.requests):
-        del runner.requests[req_id]
-        if runner.drafter is not None:
-            runner.drafter.drop(req_id)
+        runner.drop_request(req_id)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,6 +24,7 @@ class Chunk:
     start: int
     block_ids: list[int]  # the request's block table (covers start + len(token_ids))
     num_sampled: int  # logits wanted for this many trailing positions (0, 1, or k + 1 to verify)
+    table_row: int = -1  # the request's row in a BlockTable, when the caller keeps one
 
 
 @dataclasses.dataclass
@@ -57,8 +58,10 @@ def build_step_inputs(
     block_size: int,
     device: torch.device,
     max_decode_chunk: int = MAX_DECODE_CHUNK,
+    block_table: np.ndarray | None = None,
 ) -> StepInputs:
     """max_decode_chunk: the longest chunk laid out as decode rows (see `max_decode_chunk`).
+    block_table: a BlockTable's rows, which every chunk's table_row then names.
 
     The decode rows are laid out with numpy over all short chunks at once: at hundreds of
     decoding requests a per-row Python loop cost milliseconds of host time per step."""
@@ -77,11 +80,15 @@ def build_step_inputs(
         counts = np.fromiter((len(c.token_ids) for c in short), np.int64, n)
         starts = np.fromiter((c.start for c in short), np.int64, n)
         widths = np.fromiter((len(c.block_ids) for c in short), np.int64, n)
-        tables = np.zeros((n, int(widths.max())), dtype=np.int64)
-        # Row-major True positions are each chunk's columns 0..width-1, in chunk order.
-        tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
-            chain.from_iterable(c.block_ids for c in short), np.int64, int(widths.sum())
-        )
+        if block_table is not None:  # columns past a row's blocks are zero there too
+            rows = np.fromiter((c.table_row for c in short), np.int64, n)
+            tables = block_table[rows, : int(widths.max())]
+        else:
+            tables = np.zeros((n, int(widths.max())), dtype=np.int64)
+            # Row-major True positions are each chunk's columns 0..width-1, in chunk order.
+            tables[np.arange(tables.shape[1]) < widths[:, None]] = np.fromiter(
+                chain.from_iterable(c.block_ids for c in short), np.int64, int(widths.sum())
+            )
         row_ends = np.cumsum(counts)
         if num_decode == n:  # one row per chunk: plain decodes
             row_chunk, positions = np.arange(n), starts

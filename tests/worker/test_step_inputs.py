@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kernels.paged_attention import paged_decode_attention, paged_prefill_attention, store_kv
+from services.worker.block_table import BlockTable
 from services.worker.step_inputs import MAX_DECODE_CHUNK, Chunk, build_step_inputs
 
 BS = 4
@@ -125,6 +126,37 @@ def test_random_layouts_match_the_per_row_definition():
         assert inputs.sample_rows.tolist() == expected
         for dtype_of in (inputs.input_ids, inputs.positions, inputs.meta.slot_mapping):
             assert dtype_of.dtype == torch.int64
+
+
+def test_block_table_rows_give_the_same_layout_as_the_block_lists():
+    """The worker's persistent BlockTable (rows reused, grown past its first size in rows and
+    columns, blocks appended as decoding fills them) yields the same step inputs as the lists."""
+    import random
+
+    rng = random.Random(1)
+    table = BlockTable(num_cols=2, num_rows=2)
+    for _ in range(40):
+        chunks = []
+        for _ in range(rng.randrange(1, 10)):
+            n = rng.choice([1, 1, 3, MAX_DECODE_CHUNK, MAX_DECODE_CHUNK + 2])
+            start = rng.randrange(0, 40)
+            blocks = rng.sample(range(200), -(-(start + n) // BS) + rng.randrange(0, 3))
+            cut = rng.randrange(0, len(blocks) + 1)  # some blocks came later, one at a time
+            row = table.add(blocks[:cut])
+            for b in blocks[cut:]:
+                table.append(row, [b])
+            ids = [rng.randrange(1000) for _ in range(n)]
+            chunks.append(Chunk(ids, start, blocks, rng.choice([0, 1]), row))
+        cpu = torch.device("cpu")
+        lists = build_step_inputs(chunks, BS, cpu)
+        rows = build_step_inputs(chunks, BS, cpu, block_table=table.table)
+        a, b = lists.meta.decode_block_tables, rows.meta.decode_block_tables
+        assert (a is None and b is None) or torch.equal(a, b)
+        assert torch.equal(lists.meta.slot_mapping, rows.meta.slot_mapping)
+        for c in rng.sample(chunks, len(chunks)):  # released rows are reused, zeroed
+            table.release(c.table_row)
+    assert table.table.shape[0] > 2 and table.table.shape[1] > 2
+    assert not table.table.any()
 
 
 def test_prefill_spans_are_also_laid_out_as_one_batch_for_the_native_kernel():
