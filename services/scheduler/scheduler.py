@@ -214,9 +214,9 @@ class Scheduler:
                 new_blocks = self._allocate(request, num_tokens)
             if new_blocks is None:
                 break
-            rows = len(running.req_ids)
+            # A running request has been sent in full: its row joins the running section.
             self._emit(request, num_tokens, new_blocks, new_requests, running, drafts)
-            extra += num_tokens - (len(running.req_ids) - rows)
+            extra += num_tokens - 1
             slack -= num_tokens - 1
             steady_ok = fast and slack >= 0
             if prompt_chunk:
@@ -431,8 +431,7 @@ class Scheduler:
         """update() for a step where every row sampled one token and none asked for logprobs:
         the general path with its per-request calls inlined."""
         if len(req_ids) != plan.num_requests:  # some rows computed a prompt chunk, no token
-            self._cache_computed_blocks(plan)
-        # else the rows are the plan's requests: the loop keys their blocks
+            self._cache_computed_blocks(plan)  # the loop below keys only the rows with one
         updates: list[RequestUpdate] = []
         add_update = updates.append
         requests = self.requests

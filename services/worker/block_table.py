@@ -38,6 +38,7 @@ class BlockTable:
         self._free.append(row)
 
     def _grow(self, rows: int = 0, cols: int = 0) -> None:
+        """Rows are added only when none is free, so the new ones keep `_free` descending."""
         old_rows, old_cols = self.table.shape
         rows, cols = max(rows, old_rows), max(cols, old_cols)
         table = np.zeros((rows, cols), dtype=np.int64)
@@ -46,4 +47,3 @@ class BlockTable:
         widths[:old_rows] = self._widths
         self.table, self._widths = table, widths
         self._free.extend(range(rows - 1, old_rows - 1, -1))
-        self._free.sort(reverse=True)

@@ -408,8 +408,8 @@ class ModelRunner:
         state = item.state
         start = state.num_computed
         if item.k:  # verify: the last known token, then the drafts; logits at every position
-            drafts = [state.token_ids[-1], *item.drafts]
-            return Chunk(drafts, start, state.block_ids, item.k + 1, state.table_row)
+            tokens = [state.token_ids[-1], *item.drafts]
+            return Chunk(tokens, start, state.block_ids, item.k + 1, state.table_row)
         end = start + item.num_tokens
         sample = 1 if end == len(state.token_ids) else 0
         return Chunk(state.token_ids[start:end], start, state.block_ids, sample, state.table_row)
