@@ -35,3 +35,8 @@ class AttentionMetadata:
     prefill_tables: torch.Tensor | None = None  # [S, max_blocks]
     prefill_bounds: torch.Tensor | None = None  # [S + 1]
     prefill_lens: torch.Tensor | None = None  # [S]
+    # Set only in the metadata of a model's last layer, where just the sampled rows need an
+    # output: the rows kept (every decode row, then each prompt chunk's sampled tail). The layer
+    # still stores every row's K/V; attention, the output projection and the MLP then run on
+    # the kept rows alone, and prefill_bounds count each chunk's kept rows.
+    out_rows: torch.Tensor | None = None  # [R]

@@ -123,6 +123,9 @@ class ModelRunner:
                 self.drafter = Drafter(
                     config.speculative_model, self.model_cfg, *args, seed=config.seed
                 )
+        # The last layer outputs only the rows that sample, unless an EAGLE head reads it.
+        last_layer = shapes.num_layers - 1
+        self.trim_last_layer = self.eagle is None or last_layer not in self.eagle.tap_layers
         capture = self.device.type == "cuda" and not config.enforce_eager and self.model is not None
         if config.num_kv_blocks:
             self.num_blocks, source = config.num_kv_blocks, "--num-kv-blocks"
@@ -287,7 +290,12 @@ class ModelRunner:
             inputs = None
         else:
             inputs = build_step_inputs(
-                chunks, self.block_size, self.device, self.decode_chunk, self.block_table.table
+                chunks,
+                self.block_size,
+                self.device,
+                self.decode_chunk,
+                self.block_table.table,
+                trim_last_layer=self.trim_last_layer,
             )
             ranges = inputs.sample_ranges
         t1 = time.perf_counter()
@@ -372,8 +380,12 @@ class ModelRunner:
                 hidden = hidden[to_device(rows, torch.int64, self.device)]
         else:
             assert inputs is not None
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            hidden = hidden[inputs.sample_rows]
+            last_meta = inputs.last_layer_meta
+            hidden = self.model(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, last_meta
+            )
+            rows = inputs.sample_rows if last_meta is None else inputs.last_layer_sample_rows
+            hidden = hidden[rows]
         if not sampled:
             return None, None
         if self.greedy_head is not None and all(i.state.sampling.argmax_only for i in sampled):

@@ -34,6 +34,10 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # rows of the hidden states to turn into logits
     sample_ranges: list[tuple[int, int]]  # per chunk, in the given order: its rows in the logits
+    # With `trim_last_layer`, where the step has prompt chunks on the CPU: the last layer's
+    # metadata (AttentionMetadata.out_rows), and the sampled rows among that layer's outputs.
+    last_layer_meta: AttentionMetadata | None = None
+    last_layer_sample_rows: torch.Tensor | None = None
 
 
 # Chunks up to this many tokens (decodes, speculative verifies of k + 1 positions, short prompt
@@ -59,9 +63,12 @@ def build_step_inputs(
     device: torch.device,
     max_decode_chunk: int = MAX_DECODE_CHUNK,
     block_table: np.ndarray | None = None,
+    trim_last_layer: bool = False,
 ) -> StepInputs:
     """max_decode_chunk: the longest chunk laid out as decode rows (see `max_decode_chunk`).
     block_table: a BlockTable's rows, which every chunk's table_row then names.
+    trim_last_layer: also build the last layer's metadata that keeps only the rows that sample
+    (every prompt row but a chunk's last needs K/V from the last layer, not an output).
 
     The decode rows are laid out with numpy over all short chunks at once: at hundreds of
     decoding requests a per-row Python loop cost milliseconds of host time per step."""
@@ -141,13 +148,47 @@ def build_step_inputs(
         meta.prefill_tables = torch.from_numpy(tables)
         meta.prefill_bounds = torch.tensor([0] + [s.end - num_decode for s in spans])
         meta.prefill_lens = torch.tensor(ends)
-    return StepInputs(
+    inputs = StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
         positions=torch.from_numpy(positions).to(device),
         meta=meta,
         sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
         sample_ranges=sample_ranges(chunks),
     )
+    if trim_last_layer and meta.prefill_tables is not None:
+        _add_last_layer_rows(inputs, chunks, is_short, num_decode)
+    return inputs
+
+
+def _add_last_layer_rows(
+    inputs: StepInputs, chunks: list[Chunk], is_short: list[bool], num_decode: int
+) -> None:
+    """The last layer keeps every decode row and each prompt chunk's sampled tail. Prompt rows
+    are most of a prefill step's rows and rarely sample, so its attention output, o_proj and
+    MLP then run on a few rows instead of all of them."""
+    meta = inputs.meta
+    kept = [0]
+    out_rows = list(range(num_decode))
+    for span, chunk in zip(meta.prefills, (c for c, s in zip(chunks, is_short) if not s)):
+        out_rows.extend(range(span.end - chunk.num_sampled, span.end))
+        kept.append(kept[-1] + chunk.num_sampled)
+    inputs.last_layer_meta = dataclasses.replace(
+        meta,
+        prefill_bounds=torch.tensor(kept, dtype=torch.int64),
+        out_rows=torch.tensor(out_rows, dtype=torch.int64),
+    )
+    # Each chunk's sampled rows are its kept rows, in the same order as the full layout's.
+    rows: list[int] = []
+    next_long = iter(range(len(kept) - 1))
+    short_end = 0
+    for chunk, s in zip(chunks, is_short):
+        if s:
+            short_end += len(chunk.token_ids)
+            rows.extend(range(short_end - chunk.num_sampled, short_end))
+        else:
+            i = next(next_long)
+            rows.extend(range(num_decode + kept[i], num_decode + kept[i + 1]))
+    inputs.last_layer_sample_rows = torch.tensor(rows, dtype=torch.int64)
 
 
 def sample_ranges(chunks: list[Chunk]) -> list[tuple[int, int]]:

@@ -25,6 +25,7 @@ from services.worker.models.layers import (
     KVCache,
     Rope,
     input_norm,
+    keep_rows,
     param,
 )
 
@@ -50,6 +51,7 @@ class GemmaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = input_norm(hidden, residual, self.input_norm, self.eps)
         hidden = rms_norm(self.attn(hidden, rope, kv_cache, meta), self.post_attn_norm, self.eps)
+        residual = keep_rows(residual, meta)
         hidden, residual = add_rms_norm(hidden, residual, self.pre_ff_norm, self.eps)
         return rms_norm(self.mlp(hidden), self.post_ff_norm, self.eps), residual
 

@@ -100,6 +100,12 @@ def input_norm(
     return add_rms_norm(hidden, residual, weight, eps)
 
 
+def keep_rows(residual: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """The residual stream of the rows the layer outputs (all, or meta.out_rows: the attention
+    block returns those alone)."""
+    return residual if meta.out_rows is None else residual[meta.out_rows]
+
+
 class Attention(nn.Module):
     """Fused q/k/v projection, optional per-head q/k norm, rotary (on the first rotary_dim
     dims), paged attention with this layer's sliding window and score soft-cap, output
@@ -146,7 +152,7 @@ class Attention(nn.Module):
             q, k = self._rotary(q, k, *rope)
         with span("attention"):  # a no-op unless the profiler runs (common/profiling.py)
             attn = self._attention(q, k, v, kv_cache, meta)
-        return linear(attn.view(num_tokens, self.q_size), self.o_proj)
+        return linear(attn.view(attn.shape[0], self.q_size), self.o_proj)
 
     def _rotary(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -166,10 +172,13 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """The attention output of every row, or of meta.out_rows where set (K/V are stored
+        for every row either way)."""
         key_cache, value_cache = kv_cache
         store_kv(key_cache, value_cache, k, v, meta.slot_mapping)
         opts = dict(window=self.window, softcap=self.softcap)
         nd = meta.num_decode
+        kept = meta.out_rows
         decoded = None
         if nd:
             assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
@@ -187,7 +196,7 @@ class Attention(nn.Module):
         if meta.prefill_tables is not None:  # every prompt chunk in one call (native CPU kernel)
             assert meta.prefill_bounds is not None and meta.prefill_lens is not None
             prefilled = prefill_attention_batched(
-                q[nd:],
+                q[nd:] if kept is None else q[kept[nd:]],
                 key_cache,
                 value_cache,
                 meta.prefill_tables,
@@ -215,7 +224,7 @@ class Attention(nn.Module):
                     self.scale,
                     **opts,
                 )
-        return out
+        return out if kept is None else out[kept]
 
 
 class GatedMLP(nn.Module):
@@ -283,8 +292,10 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        last_layer_meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
-        """input_ids/positions [T] -> final hidden states [T, hidden]."""
+        """input_ids/positions [T] -> final hidden states [T, hidden], or of the rows
+        last_layer_meta.out_rows keeps (StepInputs.last_layer_meta)."""
         hidden = self.embed(input_ids)
         dtype = hidden.dtype
         ropes = [
@@ -292,8 +303,10 @@ class CausalLM(nn.Module):
         ]
         residual = None
         taps = self.tap_layers
+        last = len(self.layers) - 1
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            hidden, residual = layer(hidden, residual, ropes[layer.attn.rope], kv_cache, meta)
+            layer_meta = last_layer_meta if i == last and last_layer_meta is not None else meta
+            hidden, residual = layer(hidden, residual, ropes[layer.attn.rope], kv_cache, layer_meta)
             if taps and i in taps:  # an EAGLE head reads these layers' outputs
                 self.taps.append(hidden + residual)
         hidden, _ = add_rms_norm(hidden, residual, self.norm, self.cfg.rms_norm_eps)

@@ -17,6 +17,7 @@ from services.worker.models.layers import (
     KVCache,
     Rope,
     input_norm,
+    keep_rows,
     pack_linear_weights,
     param,
 )
@@ -46,6 +47,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = input_norm(hidden, residual, self.input_norm, self.eps)
         hidden = self.attn(hidden, rope, kv_cache, meta)
+        residual = keep_rows(residual, meta)
         hidden, residual = add_rms_norm(hidden, residual, self.post_attn_norm, self.eps)
         return self.mlp(hidden), residual
 
