@@ -43,6 +43,10 @@ STALE_S = 2.0  # a tokenizer or scheduler silent for longer is unhealthy
 # starve a niced tokenizer for a while without it being dead.
 LOST_S = float(os.environ.get("STOKER_TOKENIZER_LOST_S", "10"))
 TOMBSTONE_S = 60.0
+# A request that finds no live tokenizer waits this long for one to heartbeat before its 503: at
+# start-up the API answers (/v1/models) seconds before the tokenizers have registered, and a
+# restarted tokenizer takes as long to come back.
+TOKENIZER_WAIT_S = float(os.environ.get("STOKER_TOKENIZER_WAIT_S", "30"))
 
 
 @dataclasses.dataclass
@@ -91,6 +95,7 @@ class EngineClient:
         self.stats: SchedulerStats | None = None
         self.stats_time = 0.0
         self.tokenizers: dict[str, _Tokenizer] = {}
+        self._next_tokenizer = 0  # round robin over the live ones
         self._tracks: dict[str, _Track] = {}
         # Aborted ids whose request may still reach the scheduler after the abort did (the
         # tokenizer had not forwarded it yet): any later delta for them re-sends the abort.
@@ -106,7 +111,6 @@ class EngineClient:
         self._requests = self._ctx.socket(zmq.ROUTER)
         self._requests.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: an error, not a drop
         self._requests.bind(bind_address(self.addresses.tokenizer_requests))
-        self._next_tokenizer = 0
         self._scheduler = self._ctx.socket(zmq.DEALER)
         self._scheduler.setsockopt(zmq.ROUTING_ID, API_ROUTING_ID)
         self._scheduler.connect(self.addresses.scheduler)
@@ -163,15 +167,24 @@ class EngineClient:
         try:
             for r, track in zip(requests, tracks):
                 await self._send_to_tokenizer(encoder.encode(r), track)
-        except ApiError:  # never reached the engine: not a finished request
+        except BaseException:  # an ApiError, or cancelled while waiting for a tokenizer
             self.release([r.req_id for r in requests], count=False)
             raise
         return queue
 
+    async def _live_tokenizers(self) -> list[str]:
+        """The tokenizers heartbeating now, waiting up to TOKENIZER_WAIT_S for a first one."""
+        deadline = time.monotonic() + TOKENIZER_WAIT_S
+        while True:
+            now = time.monotonic()
+            alive = sorted(t for t, s in self.tokenizers.items() if now - s.last_seen < STALE_S)
+            if alive or now >= deadline or self.engine_error is not None:
+                return alive
+            await asyncio.sleep(0.05)
+
     async def _send_to_tokenizer(self, payload: bytes, track: _Track) -> None:
         """To the next live tokenizer, round robin; 503 when none takes it."""
-        now = time.monotonic()
-        alive = sorted(t for t, s in self.tokenizers.items() if now - s.last_seen < STALE_S)
+        alive = await self._live_tokenizers()
         for i in range(len(alive)):
             name = alive[(self._next_tokenizer + i) % len(alive)]
             track.tokenizer, track.tokenizer_pid = name, self.tokenizers[name].pid
