@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 import urllib.request
 from pathlib import Path
+
+CLI = [sys.executable, "-m", "services.cli"]  # one stoker service: CLI + [name, args...]
+
+
+def service_env(run_dir: str | Path) -> dict[str, str]:
+    """The environment for a set of stoker services started one by one, talking over sockets in
+    run_dir, offline."""
+    from common.addresses import Addresses
+
+    return {**os.environ, "HF_HUB_OFFLINE": "1", **Addresses.in_run_dir(str(run_dir)).to_env()}
 
 
 def free_port() -> int:

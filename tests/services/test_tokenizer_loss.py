@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +18,7 @@ from common.addresses import Addresses
 from common.config import DEFAULT_MODEL
 from services.api import engine_client
 from services.api.engine_client import EngineClient, _Tokenizer, _Track
-from tests.deploy.procs import free_port, stop_all, wait_healthy
+from tests.deploy.procs import CLI, free_port, service_env, stop_all, wait_healthy
 
 
 def _client() -> EngineClient:
@@ -74,10 +72,9 @@ def test_a_stalled_tokenizer_fails_its_requests_and_the_others_serve(tmp_path):
     api cannot route around it) and send four requests: the two addressed to it come back as
     503s once it has been silent for LOST_S, the other two complete; later requests succeed."""
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", STOKER_TOKENIZER_LOST_S="2")
-    env.update(Addresses.in_run_dir(str(tmp_path)).to_env())
+    env = {**service_env(tmp_path), "STOKER_TOKENIZER_LOST_S": "2"}
     model = str(DEFAULT_MODEL)
-    py = [sys.executable, "-m", "services.cli"]
+    py = CLI
     cmds = [
         [*py, "worker", "--model", model],
         [*py, "scheduler", "--model", model],

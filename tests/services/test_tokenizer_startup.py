@@ -4,9 +4,7 @@ they do at start-up) waits for one, up to TOKENIZER_WAIT_S, instead of failing a
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +19,7 @@ from common.sampling_params import SamplingParams
 from services.api import engine_client
 from services.api.engine_client import EngineClient, _Tokenizer
 from services.api.protocol import ApiError
-from tests.deploy.procs import free_port, stop_all, wait_healthy
+from tests.deploy.procs import CLI, free_port, service_env, stop_all, wait_healthy
 from tests.services.test_tokenizer_loss import _post
 
 
@@ -101,10 +99,9 @@ def test_requests_sent_before_the_tokenizer_starts_are_served(tmp_path):
     """Real processes: the api, scheduler and worker come up with no tokenizer; a completion
     sent then waits, and is served once the tokenizer starts."""
     port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    env.update(Addresses.in_run_dir(str(tmp_path)).to_env())
+    env = service_env(tmp_path)
     model = str(DEFAULT_MODEL)
-    py = [sys.executable, "-m", "services.cli"]
+    py = CLI
     cmds = [
         [*py, "worker", "--model", model],
         [*py, "scheduler", "--model", model],
