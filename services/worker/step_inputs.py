@@ -156,20 +156,18 @@ def build_step_inputs(
         sample_ranges=sample_ranges(chunks),
     )
     if trim_last_layer and meta.prefill_tables is not None:
-        _add_last_layer_rows(inputs, chunks, is_short, num_decode)
+        _add_last_layer_rows(inputs, long_chunks, num_decode)
     return inputs
 
 
-def _add_last_layer_rows(
-    inputs: StepInputs, chunks: list[Chunk], is_short: list[bool], num_decode: int
-) -> None:
+def _add_last_layer_rows(inputs: StepInputs, long_chunks: list[Chunk], num_decode: int) -> None:
     """The last layer keeps every decode row and each prompt chunk's sampled tail. Prompt rows
     are most of a prefill step's rows and rarely sample, so its attention output, o_proj and
     MLP then run on a few rows instead of all of them."""
     meta = inputs.meta
     kept = [0]
     out_rows = list(range(num_decode))
-    for span, chunk in zip(meta.prefills, (c for c, s in zip(chunks, is_short) if not s)):
+    for span, chunk in zip(meta.prefills, long_chunks):
         out_rows.extend(range(span.end - chunk.num_sampled, span.end))
         kept.append(kept[-1] + chunk.num_sampled)
     inputs.last_layer_meta = dataclasses.replace(
@@ -177,18 +175,10 @@ def _add_last_layer_rows(
         prefill_bounds=torch.tensor(kept, dtype=torch.int64),
         out_rows=torch.tensor(out_rows, dtype=torch.int64),
     )
-    # Each chunk's sampled rows are its kept rows, in the same order as the full layout's.
-    rows: list[int] = []
-    next_long = iter(range(len(kept) - 1))
-    short_end = 0
-    for chunk, s in zip(chunks, is_short):
-        if s:
-            short_end += len(chunk.token_ids)
-            rows.extend(range(short_end - chunk.num_sampled, short_end))
-        else:
-            i = next(next_long)
-            rows.extend(range(num_decode + kept[i], num_decode + kept[i + 1]))
-    inputs.last_layer_sample_rows = torch.tensor(rows, dtype=torch.int64)
+    # Every sampled row is kept, and out_rows ascends: each one's index among the kept rows.
+    inputs.last_layer_sample_rows = torch.searchsorted(
+        inputs.last_layer_meta.out_rows, inputs.sample_rows
+    )
 
 
 def sample_ranges(chunks: list[Chunk]) -> list[tuple[int, int]]:
