@@ -11,6 +11,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
+
+import numpy as np
+import torch
 
 log = logging.getLogger("stoker.worker")
 
@@ -36,3 +40,21 @@ def keep_freed_memory() -> bool:
     if not ok:
         log.info("could not tune malloc; CPU steps may be slower")
     return ok
+
+
+def resident_zeros(nbytes: int) -> torch.Tensor:
+    """`nbytes` zeroed bytes, all mapped now rather than on first touch.
+
+    The KV pool is written a block at a time as requests arrive. Lazily mapped, each new 4 KiB
+    page then costs a page fault inside a step: on this project's VM box first touches ran at 5 s
+    per GiB, which was 2 % of an offline run, all in store_kv (docs/benchmarks.md, twenty-fourth
+    session). MAP_POPULATE maps the pool at start-up in one call (0.3 s per GiB there), as
+    vLLM's torch.zeros does by writing it. The pool's memory is resident from then on, which is
+    what --kv-cache-memory-gb reserves."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    try:
+        region = mmap.mmap(-1, max(1, nbytes), flags=flags)
+    except OSError:
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    # The numpy view keeps the mapping alive for as long as the tensor lives.
+    return torch.from_numpy(np.frombuffer(region, dtype=np.uint8, count=nbytes))

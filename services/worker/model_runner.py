@@ -12,7 +12,6 @@ import logging
 import math
 import time
 
-import numpy as np
 import torch
 
 from common.config import EngineConfig
@@ -22,7 +21,7 @@ from common.profiling import span
 from common.sampling_params import SamplingParams
 from kernels import cpu_ops
 from services.worker.block_table import BlockTable
-from services.worker.cpu_tuning import keep_freed_memory
+from services.worker.cpu_tuning import keep_freed_memory, resident_zeros
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from services.worker.drafter import Drafter
 from services.worker.eagle.config import is_eagle_head
@@ -166,13 +165,12 @@ class ModelRunner:
             self.use_decode_graphs(capture=True)
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """Zeroed KV memory. On CPU it comes from calloc via numpy, so pages are mapped lazily and
-        resident memory grows with the blocks actually used rather than the whole pool. Zeros
-        (not garbage) matter: masked-out slots must not hold NaNs that 0 * NaN would spread."""
+        """Zeroed KV memory, mapped at start-up (`resident_zeros`). Zeros (not garbage) matter:
+        masked-out slots must not hold NaNs that 0 * NaN would spread."""
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
         nbytes = math.prod(shape) * torch.tensor([], dtype=self.dtype).element_size()
-        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(self.dtype).view(shape)
+        return resident_zeros(nbytes).view(self.dtype).view(shape)
 
     def _block_bytes(self) -> int:
         cfg = self.model_cfg
