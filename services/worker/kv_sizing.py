@@ -36,6 +36,30 @@ def cpu_kv_blocks(memory_gb: float, block_bytes: int) -> int:
     return max(1, int(memory_gb * GIB // block_bytes))
 
 
+def memory_available_bytes(meminfo_path: str = "/proc/meminfo") -> int | None:
+    """The kernel's estimate of memory a process can take without swapping (MemAvailable), or
+    None where there is none (not Linux)."""
+    try:
+        with open(meminfo_path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_cpu_pool_fits(pool_bytes: int, available_bytes: int | None, source: str) -> None:
+    """The CPU KV pool is mapped in full at start-up (`cpu_tuning.resident_zeros`): one larger
+    than the free memory would push the machine into swap or the OOM killer, so it is refused
+    with the flag that sized it."""
+    if available_bytes is not None and pool_bytes > available_bytes:
+        raise ValueError(
+            f"the KV cache needs {pool_bytes / GIB:.2f} GiB (from {source}) but only "
+            f"{available_bytes / GIB:.2f} GiB of memory is available; lower {source.split()[0]}"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class GpuMemoryProfile:
     total_bytes: int  # the device's memory

@@ -32,9 +32,11 @@ from services.worker.greedy_head import wanted as greedy_head_wanted
 from services.worker.host_copy import host_list, to_device
 from services.worker.kv_sizing import (
     GIB,
+    check_cpu_pool_fits,
     cpu_kv_blocks,
     gpu_kv_blocks,
     kv_block_bytes,
+    memory_available_bytes,
     profile_gpu_memory,
 )
 from services.worker.loader import check_model_folder, load_model, resolve_dtype
@@ -132,6 +134,9 @@ class ModelRunner:
             self.num_blocks, source = self._blocks_that_fit(capture)
         if comm is not None:  # each rank sized its own pool: the scheduler gets one number
             self.num_blocks = comm.min_int(self.num_blocks)
+        if self.device.type == "cpu" and not config.null_model:
+            pool_bytes = (self.num_blocks + 1) * self._block_bytes()
+            check_cpu_pool_fits(pool_bytes, memory_available_bytes(), source)
         capacity = self.num_blocks * self.block_size
         if capacity < self.max_model_len:
             # A lone request must always fit in the pool, or preemption could never make room.

@@ -89,6 +89,16 @@ def test_dead_child_is_named_and_serve_exits_nonzero(model, tmp_path):
     assert not [k for k in kids if alive(k)]
 
 
+def test_a_kv_pool_beyond_free_memory_fails_fast_with_the_flag(model, tmp_path):
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model)]
+    cmd += ["--port", str(free_port()), "--run-dir", str(tmp_path / "run")]
+    cmd += ["--kv-cache-memory-gb", "100000"]  # 100 TB: more than any machine running this
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "lower --kv-cache-memory-gb" in proc.stderr
+    assert "worker exited with code 1" in proc.stderr
+
+
 def test_null_model_runs_the_whole_pipeline_and_exports_step_telemetry(model, tmp_path):
     import asyncio
 

@@ -13,9 +13,11 @@ from services.worker.kv_sizing import (
     GIB,
     GpuMemoryProfile,
     _dummy_chunks,
+    check_cpu_pool_fits,
     cpu_kv_blocks,
     gpu_kv_blocks,
     kv_block_bytes,
+    memory_available_bytes,
 )
 from services.worker.model_runner import ModelRunner
 from tests.factory import make_model
@@ -108,3 +110,28 @@ def test_cuda_sizing_profiles_and_fits(model_path):
     total = torch.cuda.mem_get_info()[1]
     assert runner.num_blocks * kv_block_bytes(2, 16, 2, 16, 4) <= 0.05 * total
     assert runner.num_blocks > 1000
+
+
+def test_memory_available_reads_meminfo(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:    1000 kB\n")
+    assert memory_available_bytes(str(meminfo)) == 1000 * 1024
+    meminfo.write_text("MemTotal:       24000000 kB\n")
+    assert memory_available_bytes(str(meminfo)) is None
+    assert memory_available_bytes(str(tmp_path / "missing")) is None
+
+
+def test_a_pool_larger_than_free_memory_is_refused_with_its_flag():
+    check_cpu_pool_fits(GIB, 2 * GIB, "--kv-cache-memory-gb 1.0")
+    check_cpu_pool_fits(GIB, None, "--kv-cache-memory-gb 1.0")  # no meminfo: nothing to check
+    with pytest.raises(ValueError, match=r"needs 4.00 GiB .* only 2.00 GiB .* lower --num-kv"):
+        check_cpu_pool_fits(4 * GIB, 2 * GIB, "--num-kv-blocks")
+
+
+def test_worker_refuses_a_pool_beyond_free_memory(model_path):
+    free = memory_available_bytes()
+    if free is None:
+        pytest.skip("no /proc/meminfo here")
+    gb = 2 * free / GIB + 1
+    with pytest.raises(ValueError, match="--kv-cache-memory-gb"):
+        ModelRunner(EngineConfig(model=str(model_path), kv_cache_memory_gb=gb))
