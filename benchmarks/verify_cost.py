@@ -32,7 +32,7 @@ from bench_utils import write_result  # noqa: E402  (puts the repo on sys.path)
 
 from common.model_config import ModelConfig  # noqa: E402
 from common.model_registry import resolve_model  # noqa: E402
-from services.worker.models.layers import linear, pack_weight  # noqa: E402
+from services.worker.models.layers import linear, pack_weights  # noqa: E402
 
 
 def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -111,10 +111,10 @@ def main() -> None:
     cfg = ModelConfig.from_folder(resolve_model(args.model))
     torch.manual_seed(0)
     layers = [
-        [pack_weight(torch.randn(o, i)) for o, i in layer_shapes(cfg)]
+        pack_weights([torch.randn(o, i) for o, i in layer_shapes(cfg)])
         for _ in range(cfg.num_layers)
     ]
-    head = pack_weight(torch.randn(cfg.vocab_size, cfg.hidden_size))
+    head = pack_weights([torch.randn(cfg.vocab_size, cfg.hidden_size)])[0]
     layer_params = sum(o * i for o, i in layer_shapes(cfg)) * cfg.num_layers
     head_params = cfg.vocab_size * cfg.hidden_size
 
@@ -147,7 +147,8 @@ def main() -> None:
     # LM head cut to the draft vocabulary's rows.
     layer_ms = rows_out[0]["layers_ms"] / cfg.num_layers
     draft_ms = layer_ms + rows_out[0]["lm_head_ms"]
-    small_head = pack_weight(torch.randn(min(args.draft_vocab, cfg.vocab_size), cfg.hidden_size))
+    draft_rows = torch.randn(min(args.draft_vocab, cfg.vocab_size), cfg.hidden_size)
+    small_head = pack_weights([draft_rows])[0]
     x1 = torch.randn(1, cfg.hidden_size)
     reduced_ms = layer_ms + _time(lambda: linear(x1, small_head), args.repeat) * 1e3
     result = {

@@ -1,5 +1,5 @@
 """The native panel linear kernel (float32, AVX2 or AVX-512) against float64 matmuls, its batch
-invariance, and which layout `pack_weight` picks."""
+invariance, which layout `pack_weight` picks, and the huge-page arena `pack_weights` fills."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kernels import cpu_ops
-from services.worker.models.layers import linear, pack_weight
+from services.worker.cpu_tuning import HUGE_PAGE
+from services.worker.models.layers import linear, pack_weight, pack_weights
 
 _module = cpu_ops.load()
 pytestmark = pytest.mark.skipif(
@@ -80,3 +81,23 @@ def test_pack_weight_picks_the_layout_by_setting_and_shape(monkeypatch):
     packed = pack_weight(weight)
     assert packed.is_mkldnn
     torch.testing.assert_close(linear(x, packed, bias), want, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_weights_puts_panels_in_one_arena_with_the_same_results(monkeypatch):
+    monkeypatch.setenv("STOKER_CPU_GEMM", "panel")
+    gen = torch.Generator().manual_seed(3)
+    weights = [torch.randn(48, 24, generator=gen), torch.randn(20, 24, generator=gen)]
+    weights.append(torch.randn(32, 7, generator=gen))  # 32 x 7 x 4 bytes: not a 64-byte multiple
+    weights.append(torch.randn(16, 24, generator=gen))
+    packed = pack_weights(weights)
+    assert packed[1].is_mkldnn  # 20 rows: oneDNN's layout, outside the arena
+    panels = [packed[0], packed[2], packed[3]]
+    base = panels[0].data_ptr()
+    assert base % HUGE_PAGE == 0  # the arena starts on a huge-page boundary
+    for p in panels:
+        assert p.dim() == 3 and p.data_ptr() % 64 == 0  # the kernel's aligned loads
+    assert panels[2].data_ptr() - base == 48 * 24 * 4 + (-(-32 * 7 * 4 // 64) * 64)  # one arena
+    x = torch.randn(5, 24, generator=gen)
+    for w, p in zip(weights, packed, strict=True):
+        xin = x[:, : w.shape[1]] if w.shape[1] == 24 else torch.randn(5, 7, generator=gen)
+        assert torch.equal(linear(xin, p), linear(xin, pack_weight(w)))

@@ -22,7 +22,7 @@ from services.worker.drafter import _DRAFT_SALT, _proposal_params, choose_drafts
 from services.worker.eagle.config import EagleConfig
 from services.worker.eagle.head import load_head
 from services.worker.kv_sizing import kv_block_bytes
-from services.worker.models.layers import CausalLM, linear, pack_weight
+from services.worker.models.layers import CausalLM, linear, pack_weights
 from services.worker.sampler import argmax_rows
 from services.worker.sampling_noise import MASK63, SEED_MIX
 from services.worker.step_inputs import Chunk, build_step_inputs, max_decode_chunk
@@ -201,7 +201,7 @@ def _draft_lm_head(target: CausalLM, d2t: torch.Tensor | None) -> torch.Tensor |
     if d2t is None:
         return None
     rows = target.lm_head_weight().detach()[d2t].contiguous()
-    return pack_weight(rows) if target.packed_lm_head is not None else rows
+    return pack_weights([rows])[0] if target.packed_lm_head is not None else rows
 
 
 def chunk_rows(chunks: list[Chunk], decode_chunk: int) -> list[tuple[int, int]]:
