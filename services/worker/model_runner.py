@@ -21,7 +21,7 @@ from common.profiling import span
 from common.sampling_params import SamplingParams
 from kernels import cpu_ops
 from services.worker.block_table import BlockTable
-from services.worker.cpu_tuning import keep_freed_memory, resident_zeros
+from services.worker.cpu_tuning import keep_freed_memory, release_freed_memory, resident_zeros
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from services.worker.drafter import Drafter
 from services.worker.eagle.config import is_eagle_head
@@ -168,6 +168,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if capture:
             self.use_decode_graphs(capture=True)
+        if self.device.type == "cpu":
+            release_freed_memory()  # the loader's temporaries, kept by keep_freed_memory
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         """Zeroed KV memory, mapped at start-up (`resident_zeros`). Zeros (not garbage) matter:

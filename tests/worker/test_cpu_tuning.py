@@ -1,4 +1,5 @@
-"""The CPU KV pool's memory: zeroed, and resident from the start (mapped with MAP_POPULATE)."""
+"""The CPU KV pool's memory (zeroed, resident from the start: MAP_POPULATE) and the huge-page
+arena the packed weights live in."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import sys
 import pytest
 import torch
 
-from services.worker.cpu_tuning import resident_zeros
+from services.worker.cpu_tuning import (
+    HUGE_PAGE,
+    huge_page_arena,
+    keep_freed_memory,
+    release_freed_memory,
+    resident_zeros,
+)
 
 MIB = 1024**2
 
@@ -42,3 +49,23 @@ def test_pages_are_mapped_before_the_first_write():
     # Lazily mapped memory would show next to no growth until written.
     assert grown >= 200 * MIB, grown
     del t
+
+
+def test_huge_page_arena_is_aligned_zeroed_and_writable():
+    arena = huge_page_arena(3 * HUGE_PAGE + 100)
+    assert arena.numel() == 3 * HUGE_PAGE + 100
+    assert arena.data_ptr() % HUGE_PAGE == 0
+    assert int(arena.count_nonzero()) == 0
+    arena[-1] = 7
+    assert int(arena.sum()) == 7
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_release_hands_freed_heap_memory_back():
+    if not keep_freed_memory():
+        pytest.skip("libc is not glibc")
+    t = torch.ones(256 * MIB, dtype=torch.uint8)  # from the heap: the mmap threshold is 1 GiB
+    del t
+    before = _rss_bytes()
+    assert release_freed_memory()
+    assert before - _rss_bytes() >= 200 * MIB
