@@ -13,6 +13,7 @@ import ctypes
 import ctypes.util
 import logging
 import mmap
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -24,15 +25,21 @@ M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
 
 
-def keep_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds. Returns False where libc is not glibc."""
+def _glibc(function: str) -> Callable[..., int] | None:
+    """A function of the process's C library, or None where it has none (libc is not glibc)."""
     name = ctypes.util.find_library("c")
     if name is None:
-        return False
+        return None
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        return getattr(ctypes.CDLL(name), function)
     except (OSError, AttributeError):
+        return None
+
+
+def keep_freed_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds. Returns False where libc is not glibc."""
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
         return False
     # mallopt takes a C int: 1 GiB thresholds, the largest round values that fit.
     ok = bool(mallopt(M_MMAP_THRESHOLD, 1 << 30) or mallopt(M_MMAP_THRESHOLD, 32 << 20))
@@ -48,11 +55,7 @@ def release_freed_memory() -> bool:
     frees the checkpoint's tensors as it packs them, and with `keep_freed_memory`'s thresholds
     that memory would stay resident for the life of the process (about 440 MB for the
     benchmark Llama). Returns False where libc is not glibc."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
+    trim = _glibc("malloc_trim")
     if trim is None:
         return False
     trim(0)
