@@ -70,15 +70,11 @@ def packs_to_panels(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and weight.shape[0] % 16 == 0 and cpu_ops.use_panel_linear()
 
 
-def pack_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """One [out, in] float32 or bfloat16 weight laid out for `linear`: in the native panel
-    kernel's layout where `packs_to_panels`, otherwise in oneDNN's blocked one. `out` (bytes,
-    panels only) is where the panels go, if not in a new tensor."""
+    kernel's layout where `packs_to_panels`, otherwise in oneDNN's blocked one."""
     if packs_to_panels(weight):
-        panels = cpu_ops.pack_panels(weight)
-        if out is None:
-            return panels
-        return out.view(panels.dtype).view(panels.shape).copy_(panels)
+        return cpu_ops.pack_panels(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_BATCH_HINT)
 
 
@@ -86,18 +82,19 @@ def pack_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """`pack_weight` of each, the panel-laid-out ones in one huge-page arena
     (`cpu_tuning.huge_page_arena`), each at a 64-byte boundary for the kernel's aligned loads.
     Weights are packed one at a time into the arena, so loading never holds two copies."""
-    offsets, total = [], 0
-    for w in weights:
-        offsets.append(total)
-        if packs_to_panels(w):
-            total += -(-w.numel() * w.element_size() // 64) * 64
-    arena = huge_page_arena(total) if total else None
-    out = []
-    for w, start in zip(weights, offsets, strict=True):
-        if arena is not None and packs_to_panels(w):
-            out.append(pack_weight(w, arena[start : start + w.numel() * w.element_size()]))
-        else:
+    panel = [packs_to_panels(w) for w in weights]
+    slots = [-(-w.numel() * w.element_size() // 64) * 64 if p else 0 for w, p in zip(weights, panel)]
+    arena = huge_page_arena(sum(slots)) if sum(slots) else None
+    out, start = [], 0
+    for w, p, size in zip(weights, panel, slots, strict=True):
+        if not p:
             out.append(pack_weight(w))
+            continue
+        assert arena is not None  # sized above for every panel weight
+        panels = cpu_ops.pack_panels(w)
+        slot = arena[start : start + panels.numel() * panels.element_size()]
+        out.append(slot.view(panels.dtype).view(panels.shape).copy_(panels))
+        start += size
     return out
 
 
