@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="--prompts lines are user turns: apply the chat template",
     )
-    p.add_argument("--device", default="auto", help="eagle: training device (default: cuda if any)")
+    p.add_argument(
+        "--device", default="auto", help="eagle and --self-chat: device (default: cuda if any)"
+    )
     p.add_argument("--head-dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument(
         "--draft-vocab",
@@ -57,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--corpus", type=Path, help="UTF-8 text: prompts, training text, held-out")
     src.add_argument("--prompts", type=Path, help="a text file with one prompt per line")
+    src.add_argument(
+        "--self-chat",
+        action="store_true",
+        help="the target writes --num-prompts user turns itself, sampled from its chat "
+        "template's user prefix (services/training/self_chat.py); needs a chat template",
+    )
     p.add_argument("--layers", type=int, default=2, help="draft layers (default 2)")
     p.add_argument("--hidden", type=int, help="draft width (default: half the target's)")
     p.add_argument("--minutes", type=float, default=10.0, help="training time cap (default 10)")
@@ -142,14 +150,40 @@ def _read_chat_prompts(path: Path, tok: object) -> list[list[int]]:
     lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
     if not getattr(tok, "chat_template", None):
         raise UsageError("--chat: the target's tokenizer has no chat template")
-    prompts = []
-    for line in lines:
-        turn = [{"role": "user", "content": line.replace("\\n", "\n")}]
-        ids = tok.apply_chat_template(turn, add_generation_prompt=True)  # type: ignore[attr-defined]
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    prompts = _chat_prompt_ids(tok, [line.replace("\\n", "\n") for line in lines])
     if len(prompts) < 2:
         raise UsageError(f"--prompts {path}: need at least 2 prompts")
     return prompts
+
+
+def _chat_prompt_ids(tok: object, turns: list[str]) -> list[list[int]]:
+    """Each user turn through the chat template, ready for the assistant's answer."""
+    prompts = []
+    for text in turns:
+        turn = [{"role": "user", "content": text}]
+        ids = tok.apply_chat_template(turn, add_generation_prompt=True)  # type: ignore[attr-defined]
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return prompts
+
+
+def _self_chat_prompts(args: argparse.Namespace, tok: object) -> list[list[int]]:
+    from services.training.self_chat import self_chat_turns
+
+    if not getattr(tok, "chat_template", None):
+        raise UsageError("--self-chat: the target's tokenizer has no chat template")
+    if args.num_prompts < 2:
+        raise UsageError("--self-chat needs --num-prompts of at least 2")
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        turns = self_chat_turns(args.target, args.num_prompts, seed=args.seed, device=device)
+    except ValueError as e:
+        raise UsageError(f"--self-chat: {e}") from e
+    print(f"the target wrote {len(turns)} user turns")
+    return _chat_prompt_ids(tok, turns)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
         prompts = distill.corpus_prompts(
             corpus, args.num_prompts, args.prompt_tokens, bos or 0, args.seed
         )
+    elif args.self_chat:
+        prompts = _self_chat_prompts(args, tok)
     elif args.prompts is not None and args.chat:
         prompts = _read_chat_prompts(args.prompts, tok)
     elif args.prompts is not None:
