@@ -161,3 +161,27 @@ def test_tensor_parallel_with_a_head_is_refused(tmp_path: Path) -> None:
     head = make_head(target, tmp_path / "h")
     with pytest.raises(ModelLoadError, match="tensor-parallel-size"):
         LLM(str(target), tensor_parallel_size=2, num_kv_blocks=64, speculative_model=str(head))
+
+
+def test_collect_records_each_sequence_as_alone(tmp_path: Path) -> None:
+    """collect() batches sequences of similar length and cuts each batch to its longest; every
+    valid position's taps and argmax must be what a forward of that sequence alone gives."""
+    from transformers import AutoModelForCausalLM
+
+    from services.training.eagle import collect
+
+    target = AutoModelForCausalLM.from_pretrained(make_model(tmp_path / "t", num_layers=3)).eval()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(2, 9))] for _ in range(7)]
+    conts = [[rng.randrange(3, 500) for _ in range(rng.randrange(1, 30))] for _ in range(7)]
+    data = collect(target, prompts, conts, (0, 1), CPU, batch=3)
+    assert data.starts.tolist() == [len(p) for p in prompts]
+    for r, (p, c) in enumerate(zip(prompts, conts)):
+        n = len(p) + len(c)
+        assert data.mask[r].sum() == n and data.tokens[r, :n].tolist() == p + c
+        with torch.no_grad():
+            out = target(input_ids=torch.tensor([p + c]), output_hidden_states=True)
+        # hidden_states[i + 1] is decoder layer i's output (the last is after the final norm)
+        alone = torch.cat([out.hidden_states[1][0], out.hidden_states[2][0]], -1)
+        torch.testing.assert_close(data.taps[r, :n].float(), alone, atol=2e-3, rtol=2e-3)
+        assert data.labels[r, :n].tolist() == out.logits[0].argmax(-1).tolist()
