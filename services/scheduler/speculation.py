@@ -78,6 +78,8 @@ class SpecPolicy:
         # With ngram_first, an n-gram match may offer more drafts than the model does: its ids
         # cost nothing to propose, and a copying request accepts long runs of them. The
         # adaptive k climbs past the model's k only through verifies that accepted all drafts.
+        # n-gram alone has no model: its k is num_tokens, as set (or defaulted to ngram_k).
+        ngram_first = ngram_first and method != "ngram"
         self.model_k = num_tokens
         self.max_k = max(num_tokens, ngram_k or 0) if ngram_first else num_tokens
         self.adaptive = adaptive

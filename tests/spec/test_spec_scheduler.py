@@ -267,6 +267,18 @@ def test_ngram_k_needs_ngram_first() -> None:
     assert max(planned_ks(run, "r")) == 4
 
 
+def test_ngram_alone_keeps_its_own_k() -> None:
+    """The config turns ngram_first on by default; for the n-gram method alone it means
+    nothing, so an explicit k of 4 stays 4 (it once climbed to ngram_k's 8)."""
+    prompt = list(range(10, 22))
+    sched = make("ngram", reqs=[req("r", prompt, 150)], ngram_first=True, ngram_k=8)
+    worker = CopyingWorker("oracle")
+    run = drive(sched, worker, overlap=False)
+    assert max(planned_ks(run, "r")) == 4
+    assert len(spec_stats(sched).accepted_per_position) == 4
+    assert_idle(sched, worker)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_speculation_off_above_max_batch(method: str) -> None:
     """3 decoding requests with max_batch 2: no drafts, and each such step is counted; once one
