@@ -9,10 +9,12 @@ Adaptive policy (docs/speculation.md):
   capped at its own k.
 - A request whose average is below `row_cost x (decoding requests - 1)` sits out the step's
   drafts: every draft row adds to a batched forward's cost, the more so the larger the batch,
-  and a request accepting little pays for none of its rows. Every PROBE_EVERY-th step it sits
-  out, it verifies one draft again, so a request that starts copying (or a head that starts
-  agreeing) gets drafts back. Alone in the batch it always drafts: there, on any device, a few
-  extra rows cost next to nothing.
+  and a request accepting little pays for none of its rows. Every PROBE_EVERY x (decoding
+  requests - 1)-th step it sits out, it verifies one draft again, so a request that starts
+  copying (or a head that starts agreeing) gets drafts back; the interval grows with the batch
+  so that probes cost the batch about the same share of its steps at any size (a head's probe
+  first catches it up over every token it skipped). Alone in the batch it always drafts:
+  there, on any device, a few extra rows cost next to nothing.
 - A step with more decoding requests than `max_batch` does not speculate: at that size the
   forward is no longer dominated by fixed per-step cost, so verifying k extra positions per
   request costs about as much as the tokens it would save.
@@ -87,6 +89,7 @@ class SpecPolicy:
         self.row_cost = row_cost
         self.ngram_first = ngram_first  # draft method: an n-gram match's ids before the model's
         self.min_accept = 0.0  # this step's: the accepted drafts per verify a request must average
+        self.probe_every = PROBE_EVERY  # this step's: a sitting-out request's steps between probes
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.stats = SpecStats(accepted_per_position=[0] * self.max_k)
 
@@ -112,6 +115,7 @@ class SpecPolicy:
             self.stats.disabled_steps += 1
             return False
         self.min_accept = self.row_cost * max(0, num_decoding - 1)
+        self.probe_every = PROBE_EVERY * max(1, num_decoding - 1)
         return True
 
     def num_drafts(self, request: Request) -> int:
@@ -121,7 +125,7 @@ class SpecPolicy:
             return self.max_k
         if ema < self.min_accept:
             request.spec_paused += 1
-            if request.spec_paused < PROBE_EVERY:
+            if request.spec_paused < self.probe_every:
                 self.stats.paused_drafts += 1
                 return 0
             request.spec_paused = 0

@@ -17,7 +17,7 @@ import pytest
 from common.messages import StepPlan
 from services.scheduler.request import FinishReason
 from services.scheduler.scheduler import Scheduler
-from services.scheduler.speculation import PROBE_EVERY
+from services.scheduler.speculation import PROBE_EVERY, SpecPolicy
 from tests.fake_worker import assert_idle
 from tests.spec.fakes import (
     Accept,
@@ -332,18 +332,28 @@ def _batch_of_three(accept: Accept, row_cost: float) -> tuple[Scheduler, Run]:
 def test_low_acceptance_sits_out_drafts_in_a_batch_and_probes() -> None:
     """Three decoding requests, row cost 0.3 (min 0.6 accepted drafts per verify), nothing ever
     accepted: k falls 4, 3, 2 as the average halves (2.0, 1.0, 0.5), then each request sits
-    out and verifies a single probe draft every PROBE_EVERY-th step; the output is unchanged."""
+    out and verifies a single probe draft every PROBE_EVERY x (3 - 1)-th step (the interval
+    grows with the batch); the output is unchanged."""
     sched, run = _batch_of_three(lambda rid, k, i: 0, row_cost=0.3)
     assert planned_ks(run, "x")[:3] == [4, 3, 2]
     probes = planned_ks(run, "x")[3:]
     assert probes and set(probes) == {1}
     steps = [i for i, _ in planned_verifies(run, "x")[3:]]
-    assert {b - a for a, b in zip(steps, steps[1:])} == {PROBE_EVERY}
+    assert {b - a for a, b in zip(steps, steps[1:])} == {PROBE_EVERY * 2}
     stats = spec_stats(sched)
     assert stats.paused_drafts > 0
     plain_sched, plain = _batch_of_three(lambda rid, k, i: 0, row_cost=0.0)
     assert run.outputs == plain.outputs
     assert spec_stats(plain_sched).paused_drafts == 0
+
+
+def test_probe_interval_grows_with_the_batch() -> None:
+    """Probes cost the batch about the same share of steps at any size: every PROBE_EVERY x
+    (decoding requests - 1) steps per sitting-out request, PROBE_EVERY alone or with two."""
+    policy = SpecPolicy("draft", 4, row_cost=0.3)
+    for num_decoding, interval in [(1, PROBE_EVERY), (2, PROBE_EVERY), (5, 4 * PROBE_EVERY)]:
+        assert policy.enabled_for_step(num_decoding)
+        assert policy.probe_every == interval
 
 
 def test_good_acceptance_keeps_drafting_in_a_batch() -> None:
