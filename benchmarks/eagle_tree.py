@@ -45,21 +45,17 @@ def rank_paths(target: Path, head: Path, max_new: int, depth: int) -> list[list[
 
     from services.training.eagle import collect
     from services.training.eagle_net import EagleNet
+    from services.training.train_draft import chat_prompt_ids
     from services.worker.eagle.config import EagleConfig
 
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    prompts, conts = [], []
+    prompts, conts = chat_prompt_ids(tok, CHAT_PROMPTS), []
     with torch.no_grad():
-        for q in CHAT_PROMPTS:
-            ids = tok.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True
-            )
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        for ids in prompts:
             out = model.generate(
                 torch.tensor([ids]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False
             )
-            prompts.append(ids)
             conts.append(out[0, len(ids) :].tolist())
     cfg = EagleConfig.from_folder(head)
     data = collect(model, prompts, conts, tuple(cfg.target_layers), torch.device("cpu"))

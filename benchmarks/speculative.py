@@ -32,6 +32,7 @@ from bench_utils import write_result
 from common.config import DEFAULT_MODEL
 from common.model_registry import default_draft, resolve_model
 from services.engine import LLM, SamplingParams
+from services.training.train_draft import chat_prompt_ids
 
 PROMPTS = [
     "ROMEO:\nBut soft, what light",
@@ -65,11 +66,7 @@ def chat_prompts(llm: LLM) -> list[list[int]] | None:
     tok = llm.tokenizer
     if not getattr(tok, "chat_template", None):
         return None
-    out = []
-    for q in CHAT_PROMPTS:
-        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
+    return chat_prompt_ids(tok, CHAT_PROMPTS)
 
 
 def run(llm: LLM, prompts: list, batch: int, params: SamplingParams) -> tuple[float, float, list]:

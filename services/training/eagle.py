@@ -94,7 +94,8 @@ class Data:
     greedy: torch.Tensor  # [N] bool
 
 
-def _device(name: str) -> torch.device:
+def resolve_device(name: str) -> torch.device:
+    """A --device value: "auto" is cuda where there is one, else cpu."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
@@ -170,8 +171,8 @@ def collect(
     order = sorted(range(N), key=lambda r: len(seqs[r]))
     try:
         for i in tqdm(range(0, N, batch), desc="hidden states", unit="batch", dynamic_ncols=True):
-            rows = torch.tensor(order[i : i + batch])
-            width = max(len(seqs[r]) for r in order[i : i + batch])
+            chunk = order[i : i + batch]
+            rows, width = torch.tensor(chunk), max(len(seqs[r]) for r in chunk)
             ids = tokens[rows, :width].to(device)
             out = target(input_ids=ids, attention_mask=mask[rows, :width].to(device).long())
             taps[rows, :width] = torch.cat([seen[n] for n in layers], -1).half().cpu()
@@ -294,7 +295,7 @@ def run(
     """Generate, train, evaluate and save the head folder (config.json, model.safetensors)."""
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    device = _device(cfg.device)
+    device = resolve_device(cfg.device)
     raw_target = json.loads((target_dir / "config.json").read_text())
     layers = cfg.target_layers or default_target_layers(raw_target["num_hidden_layers"])
 

@@ -150,13 +150,13 @@ def _read_chat_prompts(path: Path, tok: object) -> list[list[int]]:
     lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
     if not getattr(tok, "chat_template", None):
         raise UsageError("--chat: the target's tokenizer has no chat template")
-    prompts = _chat_prompt_ids(tok, [line.replace("\\n", "\n") for line in lines])
+    prompts = chat_prompt_ids(tok, [line.replace("\\n", "\n") for line in lines])
     if len(prompts) < 2:
         raise UsageError(f"--prompts {path}: need at least 2 prompts")
     return prompts
 
 
-def _chat_prompt_ids(tok: object, turns: list[str]) -> list[list[int]]:
+def chat_prompt_ids(tok: object, turns: list[str]) -> list[list[int]]:
     """Each user turn through the chat template, ready for the assistant's answer."""
     prompts = []
     for text in turns:
@@ -167,23 +167,20 @@ def _chat_prompt_ids(tok: object, turns: list[str]) -> list[list[int]]:
 
 
 def _self_chat_prompts(args: argparse.Namespace, tok: object) -> list[list[int]]:
+    from services.training.eagle import resolve_device
     from services.training.self_chat import self_chat_turns
 
     if not getattr(tok, "chat_template", None):
         raise UsageError("--self-chat: the target's tokenizer has no chat template")
     if args.num_prompts < 2:
         raise UsageError("--self-chat needs --num-prompts of at least 2")
-    import torch
-
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(args.device).type
     try:
         turns = self_chat_turns(args.target, args.num_prompts, seed=args.seed, device=device)
     except ValueError as e:
         raise UsageError(f"--self-chat: {e}") from e
     print(f"the target wrote {len(turns)} user turns")
-    return _chat_prompt_ids(tok, turns)
+    return chat_prompt_ids(tok, turns)
 
 
 def run(args: argparse.Namespace) -> int:
