@@ -79,6 +79,7 @@ def load() -> ModuleType | None:
                             "norm_rope.cpp",
                             "panel_linear.cpp",
                             "sampling_noise.cpp",
+                            "decode_layer.cpp",
                         )
                     ],
                     extra_cflags=CFLAGS,

@@ -102,6 +102,11 @@ def _use_native() -> bool:
     return _forced is None and os.environ.get(FORCE_TORCH_ENV, "0") in ("", "0")
 
 
+def native_allowed() -> bool:
+    """Whether code that calls native CPU kernels itself may (no backend forced)."""
+    return _use_native()
+
+
 def backend_for(x: torch.Tensor) -> str:
     """ "triton" or "torch": what a dispatched call deciding on `x` would run (for logs/tests)."""
     return "triton" if _use_triton(x) else "torch"

@@ -31,6 +31,14 @@ void store_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
               torch::Tensor value, torch::Tensor slot_mapping);
 
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+std::tuple<torch::Tensor, torch::Tensor> decode_layer(
+    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor input_norm,
+    torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_bias, torch::Tensor o_w,
+    torch::Tensor post_norm, torch::Tensor gate_up_w, torch::Tensor down_w, torch::Tensor cos,
+    torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
+    torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+    int64_t window, double softcap);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports", &supports, "whether a head_dim / query-per-kv-head group has a kernel");
@@ -52,4 +60,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "new key/value rows into their paged-cache slots");
   m.def("greedy_candidates", &greedy_candidates,
         "per row, the tokens whose bounded bfloat16 logit may be the float32 argmax");
+  m.def("decode_layer", &decode_layer,
+        "a Llama-style decoder layer over decode rows, the same kernels as the Python layer");
 }

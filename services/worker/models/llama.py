@@ -5,10 +5,12 @@ attention block and in checkpoint names (loader.py)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from common.model_config import ModelConfig
-from kernels.dispatch import add_rms_norm
+from kernels import cpu_ops
+from kernels.dispatch import add_rms_norm, native_allowed
 from services.worker.attention_metadata import AttentionMetadata
 from services.worker.models.layers import (
     Attention,
@@ -22,12 +24,18 @@ from services.worker.models.layers import (
     param,
 )
 
-__all__ = ["DecoderLayer", "LlamaForCausalLM", "pack_linear_weights"]
+__all__ = ["DecoderLayer", "LlamaForCausalLM", "enable_native_decode", "pack_linear_weights"]
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP. `mlp` is any [T, hidden] -> [T, hidden] module (a gated MLP,
-    or a mixture of experts in moe.py)."""
+    or a mixture of experts in moe.py).
+
+    On the CPU a layer `enable_native_decode` marked runs steps of decode rows alone (decodes
+    and speculative verifies) in one native call, `cpu_ops.decode_layer`: the same kernels in
+    the same order, bit for bit the same output, without the Python between them."""
+
+    native_decode = None  # the native layer function, where enable_native_decode set it
 
     def __init__(self, cfg: ModelConfig, layer: int, mlp: nn.Module | None = None) -> None:
         super().__init__()
@@ -45,6 +53,18 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        native = self.native_decode
+        if native is not None and not meta.prefills and meta.out_rows is None:
+            key_cache, value_cache = kv_cache
+            if key_cache.dtype == hidden.dtype and native_allowed():
+                attn, mlp = self.attn, self.mlp
+                return native(
+                    hidden, residual, self.input_norm, attn.qkv_proj, attn.qkv_bias,
+                    attn.o_proj, self.post_attn_norm, mlp.gate_up_proj, mlp.down_proj, *rope,
+                    key_cache, value_cache, meta.slot_mapping, meta.decode_block_tables,
+                    meta.decode_context_lens, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                    self.eps, attn.scale, attn.window or 0, attn.softcap or 0.0,
+                )  # fmt: skip
         hidden, residual = input_norm(hidden, residual, self.input_norm, self.eps)
         hidden = self.attn(hidden, rope, kv_cache, meta)
         residual = keep_rows(residual, meta)
@@ -55,3 +75,28 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(CausalLM):
     def make_layer(self, cfg: ModelConfig, layer: int) -> nn.Module:
         return DecoderLayer(cfg, layer)
+
+
+def enable_native_decode(root: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """Mark the decoder layers under `root` that `cpu_ops.decode_layer` runs exactly as their
+    Python forward does: plain Llama-style ones (no q/k norm, full rotary, a SiLU gated MLP,
+    not sharded) whose attention shape the native decode kernel takes. Returns how many."""
+    module = cpu_ops.load() if device.type == "cpu" else None
+    if module is None or not hasattr(module, "decode_layer"):
+        return 0
+    marked = 0
+    for layer in root.modules():
+        if type(layer) is not DecoderLayer:
+            continue
+        attn, mlp = layer.attn, layer.mlp
+        if (
+            type(attn) is Attention
+            and attn.q_norm is None
+            and attn.rotary_dim == attn.head_dim
+            and type(mlp) is GatedMLP
+            and mlp.act is F.silu
+            and cpu_ops.supports(dtype, device, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        ):
+            layer.native_decode = module.decode_layer
+            marked += 1
+    return marked

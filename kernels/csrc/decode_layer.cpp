@@ -1,0 +1,90 @@
+// One Llama-style decoder layer over a step's decode rows, as one call. It runs the same native
+// kernels, in the same order and on the same inputs, as the Python layer
+// (services/worker/models/llama.py), so its output is bit for bit the same. What it removes is
+// the Python between them: module calls, backend dispatch and views cost about 75 us a layer,
+// 2.3 ms of a 17 ms SmolLM2 batch-1 step on the 2-core box (docs/benchmarks.md,
+// twenty-sixth session).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/extension.h>
+
+#include <string>
+#include <tuple>
+
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
+                                     torch::Tensor value_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale, int64_t window,
+                                     double softcap);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
+                                                      torch::Tensor w, double eps);
+std::tuple<torch::Tensor, torch::Tensor> apply_rotary(torch::Tensor q, torch::Tensor k,
+                                                      torch::Tensor cos, torch::Tensor sin);
+torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias);
+void store_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key,
+              torch::Tensor value, torch::Tensor slot_mapping);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+
+namespace {
+
+// services/worker/models/layers.linear: oneDNN's packed weight, the panel layout, or plain.
+torch::Tensor layer_linear(const torch::Tensor& x, const torch::Tensor& w,
+                     const c10::optional<torch::Tensor>& bias) {
+  if (w.is_mkldnn()) {
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack;
+    stack.emplace_back(x);
+    stack.emplace_back(w);
+    stack.emplace_back(bias);
+    stack.emplace_back(std::string("none"));
+    stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
+    stack.emplace_back(c10::optional<std::string>(std::string("")));
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+  if (w.dim() == 3) return panel_linear(x, w, bias);
+  return torch::nn::functional::linear(x, w, bias.has_value() ? *bias : torch::Tensor());
+}
+
+// kernels/dispatch.silu_and_mul on the CPU: native for float32 rows, else the torch reference.
+torch::Tensor silu_mul(const torch::Tensor& gate_up) {
+  if (gate_up.scalar_type() == torch::kFloat32) return silu_and_mul(gate_up);
+  auto halves = gate_up.chunk(2, -1);
+  return torch::silu(halves[0]) * halves[1];
+}
+
+}  // namespace
+
+// (mlp output, residual stream), as DecoderLayer.forward returns them: the stream is their sum.
+// residual undefined: the first layer (its input is the embedding, the stream itself).
+std::tuple<torch::Tensor, torch::Tensor> decode_layer(
+    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor input_norm,
+    torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_bias, torch::Tensor o_w,
+    torch::Tensor post_norm, torch::Tensor gate_up_w, torch::Tensor down_w, torch::Tensor cos,
+    torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
+    torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+    int64_t window, double softcap) {
+  torch::Tensor normed, stream;
+  if (residual.has_value() && residual->defined()) {
+    std::tie(normed, stream) = add_rms_norm(hidden, *residual, input_norm, eps);
+  } else {
+    normed = rms_norm(hidden, input_norm, eps);
+    stream = hidden;
+  }
+  const int64_t T = hidden.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  torch::Tensor qkv = layer_linear(normed, qkv_w, qkv_bias);
+  auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
+  torch::Tensor q = parts[0].view({T, num_heads, head_dim});
+  torch::Tensor k = parts[1].view({T, num_kv_heads, head_dim});
+  torch::Tensor v = parts[2].view({T, num_kv_heads, head_dim});
+  std::tie(q, k) = apply_rotary(q, k, cos, sin);
+  store_kv(key_cache, value_cache, k, v, slot_mapping);
+  torch::Tensor attn =
+      paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale, window,
+                             softcap);
+  torch::Tensor out = layer_linear(attn.view({T, q_size}), o_w, c10::nullopt);
+  std::tie(normed, stream) = add_rms_norm(out, stream, post_norm, eps);
+  torch::Tensor gate_up = layer_linear(normed, gate_up_w, c10::nullopt);
+  return {layer_linear(silu_mul(gate_up), down_w, c10::nullopt), stream};
+}

@@ -1,0 +1,147 @@
+"""The native decoder layer (kernels/csrc/decode_layer.cpp) runs a step of decode rows exactly as
+the Python layer does: bit for bit the same hidden states and the same stored K/V, in float32
+and bfloat16, with every weight layout `linear` takes. Layers it cannot run exactly are never
+marked, and steps with prompt chunks keep the Python path."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.model_config import ModelConfig
+from kernels import cpu_ops
+from kernels.dispatch import force_backend
+from services.worker.loader import load_model
+from services.worker.models.llama import DecoderLayer, enable_native_decode
+from services.worker.step_inputs import MAX_DECODE_CHUNK, Chunk, build_step_inputs
+from tests.factory import make_model
+
+BS = 16
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.skipif(
+    cpu_ops.load() is None, reason="the native CPU kernels did not build on this machine"
+)
+
+
+def _chunks(rng: random.Random, prompt: bool) -> list[Chunk]:
+    """Decodes at varied context lengths and a verify of 4 rows (the decode path's rows); with
+    `prompt`, a prompt chunk too."""
+    shapes = [(1, 30, 1), (1, 5, 1), (4, 21, 4), (1, 70, 1)]
+    if prompt:
+        shapes.append((MAX_DECODE_CHUNK + 9, 0, 1))
+    chunks, next_block = [], 0
+    for n, start, sampled in shapes:
+        width = -(-(start + n) // BS)
+        blocks = list(range(next_block, next_block + width))
+        next_block += width
+        chunks.append(Chunk([rng.randrange(3, 500) for _ in range(n)], start, blocks, sampled))
+    return chunks
+
+
+def _layers(model: torch.nn.Module) -> list[DecoderLayer]:
+    return [m for m in model.modules() if isinstance(m, DecoderLayer)]
+
+
+def _forward(model, cfg: ModelConfig, chunks: list[Chunk], dtype: torch.dtype, native: bool):
+    """(final hidden states, every layer's K/V cache) of one step over random earlier K/V."""
+    blocks = 1 + max(b for c in chunks for b in c.block_ids)
+    shape = (blocks, BS, cfg.num_kv_heads, cfg.head_dim)
+    gen = torch.Generator().manual_seed(0)
+    kv = [
+        (torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype))
+        for _ in range(cfg.num_layers)
+    ]
+    saved = {id(layer): layer.native_decode for layer in _layers(model)}
+    calls = []
+    for layer in _layers(model):
+        fn = saved[id(layer)]
+        if native and fn is not None:
+            layer.native_decode = lambda *a, fn=fn: calls.append(1) or fn(*a)
+        else:
+            layer.native_decode = None
+    try:
+        inputs = build_step_inputs(chunks, BS, CPU, trim_last_layer=False)
+        hidden = model(inputs.input_ids, inputs.positions, kv, inputs.meta)
+    finally:
+        for layer in _layers(model):
+            layer.native_decode = saved[id(layer)]
+    return hidden, kv, len(calls)
+
+
+@pytest.mark.parametrize(
+    ("arch", "extra"),
+    [
+        ("llama", {}),
+        ("qwen2", {}),  # a bias on the q/k/v projection
+        ("mistral", {"sliding_window": 24}),  # a window shorter than some contexts
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("onednn", ["1", "0"])  # packed weights (panels / oneDNN) or plain
+def test_native_layer_equals_the_python_layer(
+    tmp_path: Path, arch: str, extra: dict, dtype: torch.dtype, onednn: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.setenv("STOKER_CPU_ONEDNN", onednn)
+    folder = make_model(tmp_path / arch, arch, num_layers=3, hidden_size=128, **extra)
+    cfg = ModelConfig.from_folder(folder)
+    model = load_model(folder, dtype, "cpu", 256)
+    assert all(layer.native_decode is not None for layer in _layers(model))
+    chunks = _chunks(random.Random(2), prompt=False)
+    with torch.inference_mode():
+        ref, ref_kv, python_calls = _forward(model, cfg, chunks, dtype, native=False)
+        out, out_kv, native_calls = _forward(model, cfg, chunks, dtype, native=True)
+    assert python_calls == 0 and native_calls == cfg.num_layers
+    assert torch.equal(out, ref)
+    for (k1, v1), (k2, v2) in zip(ref_kv, out_kv):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_steps_with_prompt_chunks_and_forced_backends_keep_the_python_layer(
+    tmp_path: Path,
+) -> None:
+    folder = make_model(tmp_path / "llama", "llama", num_layers=2)
+    cfg = ModelConfig.from_folder(folder)
+    model = load_model(folder, torch.float32, "cpu", 256)
+    with torch.inference_mode():
+        *_, calls = _forward(model, cfg, _chunks(random.Random(3), True), torch.float32, True)
+        assert calls == 0
+        with force_backend("torch"):  # tests comparing against the references get them
+            decode = _chunks(random.Random(3), prompt=False)
+            *_, calls = _forward(model, cfg, decode, torch.float32, True)
+        assert calls == 0
+
+
+@pytest.mark.parametrize(
+    ("arch", "extra"),
+    [
+        ("qwen3", {"head_dim": 16}),  # q/k norm
+        ("gemma2", {"head_dim": 16}),  # its own layer class
+        ("phi3", {"partial_rotary_factor": 0.5}),  # partial rotary
+        ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),  # experts, not a MLP
+    ],
+)
+def test_layers_the_native_call_cannot_run_exactly_are_not_marked(
+    tmp_path: Path, arch: str, extra: dict
+) -> None:
+    folder = make_model(tmp_path / arch, arch, num_layers=2, **extra)
+    model = load_model(folder, torch.float32, "cpu", 256)
+    assert enable_native_decode(model, CPU, torch.float32) == 0
+    assert all(layer.native_decode is None for layer in _layers(model))
+
+
+def test_an_eagle_heads_layers_are_marked(tmp_path: Path) -> None:
+    """The head's draft steps are decode rows too (services/worker/eagle/head.py)."""
+    from services.worker.eagle.config import EagleConfig
+    from services.worker.eagle.head import load_head
+    from tests.spec.eagle_heads import make_head
+
+    target = make_model(tmp_path / "target", "llama", num_layers=4)
+    folder = make_head(target, tmp_path / "head", num_layers=2)
+    head = load_head(folder, EagleConfig.from_folder(folder), torch.float32, CPU, 256)
+    assert len(_layers(head)) == 2
+    assert all(layer.native_decode is not None for layer in _layers(head))
