@@ -33,7 +33,8 @@ void store_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 std::tuple<torch::Tensor, torch::Tensor> decode_layer(
     torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor input_norm,
-    torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_bias, torch::Tensor o_w,
+    torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> q_norm,
+    c10::optional<torch::Tensor> k_norm, torch::Tensor o_w,
     torch::Tensor post_norm, torch::Tensor gate_up_w, torch::Tensor down_w, torch::Tensor cos,
     torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
     torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens,

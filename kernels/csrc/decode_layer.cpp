@@ -53,13 +53,22 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return torch::silu(halves[0]) * halves[1];
 }
 
+// kernels/rms_norm.rms_norm, op for op: the q/k norm runs over [T, heads, head_dim] views, which
+// the Python layer sends to the torch reference (the native rms_norm takes 2-D rows).
+torch::Tensor reference_rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  torch::Tensor x32 = x.to(torch::kFloat32);
+  x32 = x32 * torch::rsqrt(x32.pow(2).mean(-1, true) + eps);
+  return w * x32.to(x.scalar_type());
+}
+
 }  // namespace
 
 // (mlp output, residual stream), as DecoderLayer.forward returns them: the stream is their sum.
 // residual undefined: the first layer (its input is the embedding, the stream itself).
 std::tuple<torch::Tensor, torch::Tensor> decode_layer(
     torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor input_norm,
-    torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_bias, torch::Tensor o_w,
+    torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> q_norm,
+    c10::optional<torch::Tensor> k_norm, torch::Tensor o_w,
     torch::Tensor post_norm, torch::Tensor gate_up_w, torch::Tensor down_w, torch::Tensor cos,
     torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
     torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens,
@@ -78,6 +87,11 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layer(
   torch::Tensor q = parts[0].view({T, num_heads, head_dim});
   torch::Tensor k = parts[1].view({T, num_kv_heads, head_dim});
   torch::Tensor v = parts[2].view({T, num_kv_heads, head_dim});
+  if (q_norm.has_value() && q_norm->defined()) {  // Qwen3
+    TORCH_CHECK(k_norm.has_value() && k_norm->defined(), "q_norm without k_norm");
+    q = reference_rms_norm(q, *q_norm, eps);
+    k = reference_rms_norm(k, *k_norm, eps);
+  }
   std::tie(q, k) = apply_rotary(q, k, cos, sin);
   store_kv(key_cache, value_cache, k, v, slot_mapping);
   torch::Tensor attn =

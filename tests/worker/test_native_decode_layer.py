@@ -78,6 +78,7 @@ def _forward(model, cfg: ModelConfig, chunks: list[Chunk], dtype: torch.dtype, n
         ("llama", {}),
         ("qwen2", {}),  # a bias on the q/k/v projection
         ("mistral", {"sliding_window": 24}),  # a window shorter than some contexts
+        ("qwen3", {"head_dim": 32}),  # q/k norm
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -91,6 +92,8 @@ def test_native_layer_equals_the_python_layer(
     cfg = ModelConfig.from_folder(folder)
     model = load_model(folder, dtype, "cpu", 256)
     assert all(layer.native_decode is not None for layer in _layers(model))
+    if "sliding_window" in extra:
+        assert all(layer.attn.window == 24 for layer in _layers(model))
     chunks = _chunks(random.Random(2), prompt=False)
     with torch.inference_mode():
         ref, ref_kv, python_calls = _forward(model, cfg, chunks, dtype, native=False)
@@ -119,7 +122,6 @@ def test_steps_with_prompt_chunks_and_forced_backends_keep_the_python_layer(
 @pytest.mark.parametrize(
     ("arch", "extra"),
     [
-        ("qwen3", {"head_dim": 16}),  # q/k norm
         ("gemma2", {"head_dim": 16}),  # its own layer class
         ("phi3", {"partial_rotary_factor": 0.5}),  # partial rotary
         ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),  # experts, not a MLP

@@ -60,7 +60,7 @@ class DecoderLayer(nn.Module):
                 attn, mlp = self.attn, self.mlp
                 return native(
                     hidden, residual, self.input_norm, attn.qkv_proj, attn.qkv_bias,
-                    attn.o_proj, self.post_attn_norm, mlp.gate_up_proj, mlp.down_proj, *rope,
+                    attn.q_norm, attn.k_norm, attn.o_proj, self.post_attn_norm, mlp.gate_up_proj, mlp.down_proj, *rope,
                     key_cache, value_cache, meta.slot_mapping, meta.decode_block_tables,
                     meta.decode_context_lens, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                     self.eps, attn.scale, attn.window or 0, attn.softcap or 0.0,
@@ -79,8 +79,9 @@ class LlamaForCausalLM(CausalLM):
 
 def enable_native_decode(root: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
     """Mark the decoder layers under `root` that `cpu_ops.decode_layer` runs exactly as their
-    Python forward does: plain Llama-style ones (no q/k norm, full rotary, a SiLU gated MLP,
-    not sharded) whose attention shape the native decode kernel takes. Returns how many."""
+    Python forward does: Llama-style ones (Qwen3's q/k norm included) with full rotary, a SiLU
+    gated MLP, not sharded, whose attention shape the native decode kernel takes. Returns how
+    many."""
     module = cpu_ops.load() if device.type == "cpu" else None
     if module is None or not hasattr(module, "decode_layer"):
         return 0
@@ -91,7 +92,6 @@ def enable_native_decode(root: nn.Module, device: torch.device, dtype: torch.dty
         attn, mlp = layer.attn, layer.mlp
         if (
             type(attn) is Attention
-            and attn.q_norm is None
             and attn.rotary_dim == attn.head_dim
             and type(mlp) is GatedMLP
             and mlp.act is F.silu
