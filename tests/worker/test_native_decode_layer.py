@@ -147,3 +147,12 @@ def test_an_eagle_heads_layers_are_marked(tmp_path: Path) -> None:
     head = load_head(folder, EagleConfig.from_folder(folder), torch.float32, CPU, 256)
     assert len(_layers(head)) == 2
     assert all(layer.native_decode is not None for layer in _layers(head))
+
+
+def test_the_environment_switch_keeps_every_layer_in_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STOKER_NATIVE_LAYER", "off")
+    folder = make_model(tmp_path / "llama", "llama", num_layers=2)
+    model = load_model(folder, torch.float32, "cpu", 256)
+    assert all(layer.native_decode is None for layer in _layers(model))

@@ -4,6 +4,8 @@ attention block and in checkpoint names (loader.py)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -81,7 +83,9 @@ def enable_native_decode(root: nn.Module, device: torch.device, dtype: torch.dty
     """Mark the decoder layers under `root` that `cpu_ops.decode_layer` runs exactly as their
     Python forward does: Llama-style ones (Qwen3's q/k norm included) with full rotary, a SiLU
     gated MLP, not sharded, whose attention shape the native decode kernel takes. Returns how
-    many."""
+    many. STOKER_NATIVE_LAYER=off keeps every layer in Python (for A/B runs)."""
+    if os.environ.get("STOKER_NATIVE_LAYER", "on") == "off":
+        return 0
     module = cpu_ops.load() if device.type == "cpu" else None
     if module is None or not hasattr(module, "decode_layer"):
         return 0
