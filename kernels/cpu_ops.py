@@ -79,7 +79,7 @@ def load() -> ModuleType | None:
                             "norm_rope.cpp",
                             "panel_linear.cpp",
                             "sampling_noise.cpp",
-                            "decode_layer.cpp",
+                            "llama_layer.cpp",
                         )
                     ],
                     extra_cflags=CFLAGS,

@@ -31,14 +31,16 @@ void store_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
               torch::Tensor value, torch::Tensor slot_mapping);
 
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
-std::tuple<torch::Tensor, torch::Tensor> decode_layer(
+std::tuple<torch::Tensor, torch::Tensor> llama_layer(
     torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor input_norm,
     torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> q_norm,
     c10::optional<torch::Tensor> k_norm, torch::Tensor o_w,
     torch::Tensor post_norm, torch::Tensor gate_up_w, torch::Tensor down_w, torch::Tensor cos,
     torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
-    torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+    torch::Tensor slot_mapping, int64_t num_decode, c10::optional<torch::Tensor> block_tables,
+    c10::optional<torch::Tensor> context_lens, c10::optional<torch::Tensor> prefill_tables,
+    c10::optional<torch::Tensor> prefill_bounds, c10::optional<torch::Tensor> prefill_lens,
+    c10::optional<torch::Tensor> out_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
     int64_t window, double softcap);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -61,6 +63,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "new key/value rows into their paged-cache slots");
   m.def("greedy_candidates", &greedy_candidates,
         "per row, the tokens whose bounded bfloat16 logit may be the float32 argmax");
-  m.def("decode_layer", &decode_layer,
-        "a Llama-style decoder layer over decode rows, the same kernels as the Python layer");
+  m.def("llama_layer", &llama_layer,
+        "a Llama-style decoder layer over a CPU step, the same kernels as the Python layer");
 }

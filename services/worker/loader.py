@@ -14,7 +14,7 @@ from common.gguf_file import find_gguf, iter_gguf_tensors
 from common.model_config import ModelConfig, ModelLoadError
 from services.worker.models import model_class
 from services.worker.models.layers import CausalLM, pack_linear_weights
-from services.worker.models.llama import enable_native_decode
+from services.worker.models.llama import enable_native_layers
 from services.worker.parallel.comm import Communicator
 from services.worker.parallel.layers import parallelize
 from services.worker.parallel.shard import check_divisible, shard_config, shard_state
@@ -113,7 +113,7 @@ def load_model(
     model.init_rope(max_positions, device)
     if use_onednn(device, dtype):
         pack_linear_weights(model)
-    enable_native_decode(model, torch.device(device), dtype)
+    enable_native_layers(model, torch.device(device), dtype)
     return model.eval()
 
 

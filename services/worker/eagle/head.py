@@ -22,7 +22,7 @@ from services.worker.attention_metadata import AttentionMetadata
 from services.worker.eagle.config import WEIGHTS, EagleConfig
 from services.worker.loader import use_onednn
 from services.worker.models.layers import KVCache, linear, pack_module_linears, param
-from services.worker.models.llama import DecoderLayer, enable_native_decode
+from services.worker.models.llama import DecoderLayer, enable_native_layers
 
 
 class EagleHead(nn.Module):
@@ -115,5 +115,5 @@ def load_head(
     head.init_rope(max_positions, device)
     if use_onednn(device, dtype):  # as the target's: F.linear cost 6.8 of a 15 ms chain of 4
         pack_module_linears(head)
-    enable_native_decode(head, torch.device(device), dtype)
+    enable_native_layers(head, torch.device(device), dtype)
     return head.eval()

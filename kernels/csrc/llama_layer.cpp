@@ -1,6 +1,7 @@
-// One Llama-style decoder layer over a step's decode rows, as one call. It runs the same native
-// kernels, in the same order and on the same inputs, as the Python layer
-// (services/worker/models/llama.py), so its output is bit for bit the same. What it removes is
+// One Llama-style decoder layer over a CPU step, as one call: decode rows, and prompt chunks
+// through the batched prefill kernel. It runs the same native kernels and torch ops, in the same
+// order and on the same inputs, as the Python layer (services/worker/models/llama.py and
+// layers.Attention), so its output is bit for bit the same. What it removes is
 // the Python between them: module calls, backend dispatch and views cost about 75 us a layer,
 // 2.3 ms of a 17 ms SmolLM2 batch-1 step on the 2-core box (docs/benchmarks.md,
 // twenty-sixth session).
@@ -10,6 +11,10 @@
 #include <string>
 #include <tuple>
 
+torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache,
+                                torch::Tensor value_cache, torch::Tensor block_tables,
+                                torch::Tensor bounds, torch::Tensor context_lens, double scale,
+                                int64_t window, double softcap);
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
                                      torch::Tensor value_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, int64_t window,
@@ -64,15 +69,19 @@ torch::Tensor reference_rms_norm(const torch::Tensor& x, const torch::Tensor& w,
 }  // namespace
 
 // (mlp output, residual stream), as DecoderLayer.forward returns them: the stream is their sum.
-// residual undefined: the first layer (its input is the embedding, the stream itself).
-std::tuple<torch::Tensor, torch::Tensor> decode_layer(
+// residual undefined: the first layer (its input is the embedding, the stream itself). Rows
+// [0, num_decode) decode; the rest are prompt chunks described by prefill_tables / bounds / lens
+// (AttentionMetadata's). out_rows: in a model's last layer, the rows that need an output.
+std::tuple<torch::Tensor, torch::Tensor> llama_layer(
     torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor input_norm,
     torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> q_norm,
     c10::optional<torch::Tensor> k_norm, torch::Tensor o_w,
     torch::Tensor post_norm, torch::Tensor gate_up_w, torch::Tensor down_w, torch::Tensor cos,
     torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
-    torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens,
-    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+    torch::Tensor slot_mapping, int64_t num_decode, c10::optional<torch::Tensor> block_tables,
+    c10::optional<torch::Tensor> context_lens, c10::optional<torch::Tensor> prefill_tables,
+    c10::optional<torch::Tensor> prefill_bounds, c10::optional<torch::Tensor> prefill_lens,
+    c10::optional<torch::Tensor> out_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
     int64_t window, double softcap) {
   torch::Tensor normed, stream;
   if (residual.has_value() && residual->defined()) {
@@ -94,10 +103,25 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layer(
   }
   std::tie(q, k) = apply_rotary(q, k, cos, sin);
   store_kv(key_cache, value_cache, k, v, slot_mapping);
-  torch::Tensor attn =
-      paged_decode_attention(q, key_cache, value_cache, block_tables, context_lens, scale, window,
-                             softcap);
-  torch::Tensor out = layer_linear(attn.view({T, q_size}), o_w, c10::nullopt);
+  const bool kept = out_rows.has_value() && out_rows->defined();
+  torch::Tensor attn;
+  if (num_decode) {
+    TORCH_CHECK(block_tables.has_value() && context_lens.has_value(), "decode rows need tables");
+    attn = paged_decode_attention(q.slice(0, 0, num_decode), key_cache, value_cache, *block_tables,
+                                  *context_lens, scale, window, softcap);
+  }
+  if (num_decode < T) {
+    TORCH_CHECK(prefill_tables.has_value() && prefill_bounds.has_value() &&
+                    prefill_lens.has_value(),
+                "prompt rows need the batched prefill tables");
+    torch::Tensor rows = kept ? q.index({out_rows->slice(0, num_decode)}) : q.slice(0, num_decode);
+    torch::Tensor prefilled = prefill_attention(rows, key_cache, value_cache, *prefill_tables,
+                                                *prefill_bounds, *prefill_lens, scale, window,
+                                                softcap);
+    attn = num_decode ? torch::cat({attn, prefilled}) : prefilled;
+  }
+  torch::Tensor out = layer_linear(attn.view({attn.size(0), q_size}), o_w, c10::nullopt);
+  if (kept) stream = stream.index({*out_rows});
   std::tie(normed, stream) = add_rms_norm(out, stream, post_norm, eps);
   torch::Tensor gate_up = layer_linear(normed, gate_up_w, c10::nullopt);
   return {layer_linear(silu_mul(gate_up), down_w, c10::nullopt), stream};
