@@ -80,6 +80,7 @@ def load() -> ModuleType | None:
                             "panel_linear.cpp",
                             "sampling_noise.cpp",
                             "llama_layer.cpp",
+                            "bf16_pairs.cpp",
                         )
                     ],
                     extra_cflags=CFLAGS,

@@ -31,6 +31,9 @@ void store_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
               torch::Tensor value, torch::Tensor slot_mapping);
 
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+bool bf16_pairs_supported();
+torch::Tensor pack_bf16_pairs(torch::Tensor weight);
+torch::Tensor bf16_pairs_linear(torch::Tensor x, torch::Tensor packed);
 std::tuple<torch::Tensor, torch::Tensor> llama_layer(
     torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor input_norm,
     torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> q_norm,
@@ -63,6 +66,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "new key/value rows into their paged-cache slots");
   m.def("greedy_candidates", &greedy_candidates,
         "per row, the tokens whose bounded bfloat16 logit may be the float32 argmax");
+  m.def("bf16_pairs_supported", &bf16_pairs_supported, "whether bf16_pairs_linear was built");
+  m.def("pack_bf16_pairs", &pack_bf16_pairs, "a [N, K] weight as [N / 16, K / 2, 16, 2] bf16");
+  m.def("bf16_pairs_linear", &bf16_pairs_linear,
+        "bfloat16 x @ W^T, rounded to bfloat16, against pack_bf16_pairs(W) (AVX512-BF16)");
   m.def("llama_layer", &llama_layer,
         "a Llama-style decoder layer over a CPU step, the same kernels as the Python layer");
 }

@@ -26,11 +26,41 @@ def _full_argmax(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def _heads(weight: torch.Tensor) -> list[GreedyHead]:
-    """The oneDNN bfloat16 path (where torch has it) and the plain F.linear one."""
-    heads = [GreedyHead(weight)]
-    plain = GreedyHead(weight)
-    plain._packed, plain._onednn = weight.to(torch.bfloat16), False
-    return [*heads, plain] if heads[0]._onednn else [plain]
+    """A head on every screen kernel this machine has: the native pair kernel (AVX512-BF16),
+    oneDNN's bfloat16 linear, and plain F.linear."""
+    bf16 = weight.to(torch.bfloat16).contiguous()
+    kernels = {"torch": bf16}
+    if _module.bf16_pairs_supported():
+        kernels["pairs"] = _module.pack_bf16_pairs(bf16)
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        kernels["onednn"] = torch.ops.mkldnn._reorder_linear_weight(bf16, 64)
+    heads = []
+    for kernel, packed in kernels.items():
+        head = GreedyHead(weight)
+        head._packed, head._kernel = packed, kernel
+        heads.append(head)
+    return heads
+
+
+@pytest.mark.skipif(
+    _module is None or not _module.bf16_pairs_supported(), reason="needs an AVX512-BF16 CPU"
+)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("vocab", [16, 80, 1024])  # 1, 5 and 64 panels: full and partial tiles
+def test_the_pair_kernel_is_within_the_screens_bound(rows, vocab):
+    """Exact products and float32 sums, rounded to bfloat16 once: within bfloat16 rounding
+    plus the sums' rounding of the exact dot product of the bfloat16 inputs."""
+    gen = torch.Generator().manual_seed(rows * vocab)
+    hidden = 96
+    w = (torch.randn(vocab, hidden, generator=gen) * 0.2).to(torch.bfloat16)
+    x = (torch.randn(rows, hidden, generator=gen) * 3).to(torch.bfloat16)
+    got = _module.bf16_pairs_linear(x, _module.pack_bf16_pairs(w))
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, vocab)
+    exact = x.double() @ w.double().T
+    sums = 1.1 * hidden * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
+    bound = 2.0**-8 * exact.abs() + sums  # bfloat16 keeps 8 significant bits
+    assert bool(((got.double() - exact).abs() <= bound * (1 + 2.0**-8) + 1e-30).all())
+    assert torch.equal(got, _module.bf16_pairs_linear(x, _module.pack_bf16_pairs(w)))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 12, 33, 64])
