@@ -1,39 +1,20 @@
 // One Llama-style decoder layer over a CPU step, as one call: decode rows, and prompt chunks
 // through the batched prefill kernel. It runs the same native kernels and torch ops, in the same
 // order and on the same inputs, as the Python layer (services/worker/models/llama.py and
-// layers.Attention), so its output is bit for bit the same. What it removes is
-// the Python between them: module calls, backend dispatch and views cost about 75 us a layer,
-// 2.3 ms of a 17 ms SmolLM2 batch-1 step on the 2-core box (docs/benchmarks.md,
-// twenty-sixth session).
+// layers.Attention), so its output is bit for bit the same. What it removes is the Python
+// between them: module calls, backend dispatch and views cost about 75 us a layer, 2.3 ms of a
+// 17 ms SmolLM2 batch-1 step on the 2-core box (docs/benchmarks.md, twenty-sixth session).
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/extension.h>
 
 #include <string>
 #include <tuple>
 
-torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor key_cache,
-                                torch::Tensor value_cache, torch::Tensor block_tables,
-                                torch::Tensor bounds, torch::Tensor context_lens, double scale,
-                                int64_t window, double softcap);
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor key_cache,
-                                     torch::Tensor value_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale, int64_t window,
-                                     double softcap);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
-                                                      torch::Tensor w, double eps);
-std::tuple<torch::Tensor, torch::Tensor> apply_rotary(torch::Tensor q, torch::Tensor k,
-                                                      torch::Tensor cos, torch::Tensor sin);
-torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<torch::Tensor> bias);
-void store_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key,
-              torch::Tensor value, torch::Tensor slot_mapping);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
+#include "kernels.h"
 
 namespace {
 
 // services/worker/models/layers.linear: oneDNN's packed weight, the panel layout, or plain.
-torch::Tensor layer_linear(const torch::Tensor& x, const torch::Tensor& w,
-                     const c10::optional<torch::Tensor>& bias) {
+torch::Tensor layer_linear(const torch::Tensor& x, const torch::Tensor& w, const OptTensor& bias) {
   if (w.is_mkldnn()) {
     static const auto op =
         c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -73,16 +54,14 @@ torch::Tensor reference_rms_norm(const torch::Tensor& x, const torch::Tensor& w,
 // [0, num_decode) decode; the rest are prompt chunks described by prefill_tables / bounds / lens
 // (AttentionMetadata's). out_rows: in a model's last layer, the rows that need an output.
 std::tuple<torch::Tensor, torch::Tensor> llama_layer(
-    torch::Tensor hidden, c10::optional<torch::Tensor> residual, torch::Tensor input_norm,
-    torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> q_norm,
-    c10::optional<torch::Tensor> k_norm, torch::Tensor o_w,
+    torch::Tensor hidden, OptTensor residual, torch::Tensor input_norm, torch::Tensor qkv_w,
+    OptTensor qkv_bias, OptTensor q_norm, OptTensor k_norm, torch::Tensor o_w,
     torch::Tensor post_norm, torch::Tensor gate_up_w, torch::Tensor down_w, torch::Tensor cos,
     torch::Tensor sin, torch::Tensor key_cache, torch::Tensor value_cache,
-    torch::Tensor slot_mapping, int64_t num_decode, c10::optional<torch::Tensor> block_tables,
-    c10::optional<torch::Tensor> context_lens, c10::optional<torch::Tensor> prefill_tables,
-    c10::optional<torch::Tensor> prefill_bounds, c10::optional<torch::Tensor> prefill_lens,
-    c10::optional<torch::Tensor> out_rows, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-    int64_t window, double softcap) {
+    torch::Tensor slot_mapping, int64_t num_decode, OptTensor block_tables,
+    OptTensor context_lens, OptTensor prefill_tables, OptTensor prefill_bounds,
+    OptTensor prefill_lens, OptTensor out_rows, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, double eps, double scale, int64_t window, double softcap) {
   torch::Tensor normed, stream;
   if (residual.has_value() && residual->defined()) {
     std::tie(normed, stream) = add_rms_norm(hidden, *residual, input_norm, eps);
@@ -90,7 +69,8 @@ std::tuple<torch::Tensor, torch::Tensor> llama_layer(
     normed = rms_norm(hidden, input_norm, eps);
     stream = hidden;
   }
-  const int64_t T = hidden.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t T = hidden.size(0), q_size = num_heads * head_dim;
+  const int64_t kv_size = num_kv_heads * head_dim;
   torch::Tensor qkv = layer_linear(normed, qkv_w, qkv_bias);
   auto parts = qkv.split_with_sizes({q_size, kv_size, kv_size}, -1);
   torch::Tensor q = parts[0].view({T, num_heads, head_dim});

@@ -5,7 +5,6 @@ attention block and in checkpoint names (loader.py)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -62,31 +61,21 @@ class DecoderLayer(nn.Module):
             # Prompt chunks go natively only as the batched prefill kernel's tables.
             batched = not meta.prefills or (self.native_prompts and meta.prefill_tables is not None)
             if batched and native_allowed():
-                return self._native(native, hidden, residual, rope, kv_cache, meta)
+                attn, mlp = self.attn, self.mlp
+                return native(
+                    hidden, residual, self.input_norm, attn.qkv_proj, attn.qkv_bias, attn.q_norm,
+                    attn.k_norm, attn.o_proj, self.post_attn_norm, mlp.gate_up_proj,
+                    mlp.down_proj, *rope, *kv_cache, meta.slot_mapping, meta.num_decode,
+                    meta.decode_block_tables, meta.decode_context_lens, meta.prefill_tables,
+                    meta.prefill_bounds, meta.prefill_lens, meta.out_rows, attn.num_heads,
+                    attn.num_kv_heads, attn.head_dim, self.eps, attn.scale, attn.window or 0,
+                    attn.softcap or 0.0,
+                )  # fmt: skip
         hidden, residual = input_norm(hidden, residual, self.input_norm, self.eps)
         hidden = self.attn(hidden, rope, kv_cache, meta)
         residual = keep_rows(residual, meta)
         hidden, residual = add_rms_norm(hidden, residual, self.post_attn_norm, self.eps)
         return self.mlp(hidden), residual
-
-    def _native(
-        self,
-        native: Callable[..., tuple[torch.Tensor, torch.Tensor]],
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        rope: Rope,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        attn, mlp = self.attn, self.mlp
-        return native(
-            hidden, residual, self.input_norm, attn.qkv_proj, attn.qkv_bias, attn.q_norm,
-            attn.k_norm, attn.o_proj, self.post_attn_norm, mlp.gate_up_proj, mlp.down_proj,
-            *rope, *kv_cache, meta.slot_mapping, meta.num_decode, meta.decode_block_tables,
-            meta.decode_context_lens, meta.prefill_tables, meta.prefill_bounds,
-            meta.prefill_lens, meta.out_rows, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            self.eps, attn.scale, attn.window or 0, attn.softcap or 0.0,
-        )  # fmt: skip
 
 
 class LlamaForCausalLM(CausalLM):
