@@ -97,14 +97,10 @@ def _use_triton(x: torch.Tensor, *same_dtype: torch.Tensor) -> bool:
     return triton_available()
 
 
-def _use_native() -> bool:
-    """Native CPU kernels unless a backend is forced (tests comparing against the references)."""
-    return _forced is None and os.environ.get(FORCE_TORCH_ENV, "0") in ("", "0")
-
-
 def native_allowed() -> bool:
-    """Whether code that calls native CPU kernels itself may (no backend forced)."""
-    return _use_native()
+    """Native CPU kernels unless a backend is forced (tests comparing against the references);
+    also asked by code that calls them itself (the native layer, models/llama.py)."""
+    return _forced is None and os.environ.get(FORCE_TORCH_ENV, "0") in ("", "0")
 
 
 def backend_for(x: torch.Tensor) -> str:
@@ -147,7 +143,7 @@ def store_kv(
 ) -> None:
     if _use_triton(key_cache):
         return _attn().store_kv(key_cache, value_cache, key, value, slot_mapping)
-    if _use_native() and cpu_ops.store_kv(key_cache, value_cache, key, value, slot_mapping):
+    if native_allowed() and cpu_ops.store_kv(key_cache, value_cache, key, value, slot_mapping):
         return None
     return _ref_attn.store_kv(key_cache, value_cache, key, value, slot_mapping)
 
@@ -165,7 +161,7 @@ def paged_decode_attention(
     args = (query, key_cache, value_cache, block_tables, context_lens, scale, window, softcap)
     if _use_triton(query, key_cache, value_cache):
         return _attn().paged_decode_attention(*args)
-    out = cpu_ops.paged_decode_attention(*args) if _use_native() else None
+    out = cpu_ops.paged_decode_attention(*args) if native_allowed() else None
     return out if out is not None else _ref_attn.paged_decode_attention(*args)
 
 
@@ -179,7 +175,7 @@ def decode_reads_cache_in_place(
     probe = torch.empty(0, dtype=dtype, device=device)
     if _use_triton(probe):
         return True
-    return _use_native() and cpu_ops.supports(dtype, device, num_heads, num_kv_heads, head_dim)
+    return native_allowed() and cpu_ops.supports(dtype, device, num_heads, num_kv_heads, head_dim)
 
 
 def paged_prefill_attention(
@@ -211,7 +207,7 @@ def prefill_attention_batched(
 ) -> torch.Tensor | None:
     """Every prompt chunk of a step in one native CPU call (`cpu_ops.prefill_attention`); None
     where that does not apply, and the caller attends chunk by chunk."""
-    if _use_triton(query, key_cache, value_cache) or not _use_native():
+    if _use_triton(query, key_cache, value_cache) or not native_allowed():
         return None
     args = (query, key_cache, value_cache, block_tables, bounds, context_lens, scale)
     return cpu_ops.prefill_attention(*args, window, softcap)
@@ -283,7 +279,7 @@ def paged_attention_varlen(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _use_triton(x):
         return _norm_rope().rms_norm(x, weight, eps)
-    out = cpu_ops.rms_norm(x, weight, eps) if _use_native() else None
+    out = cpu_ops.rms_norm(x, weight, eps) if native_allowed() else None
     return out if out is not None else _ref_norm.rms_norm(x, weight, eps)
 
 
@@ -292,7 +288,7 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(x):
         return _norm_rope().add_rms_norm(x, residual, weight, eps)
-    out = cpu_ops.add_rms_norm(x, residual, weight, eps) if _use_native() else None
+    out = cpu_ops.add_rms_norm(x, residual, weight, eps) if native_allowed() else None
     return out if out is not None else _ref_norm.add_rms_norm(x, residual, weight, eps)
 
 
@@ -301,7 +297,7 @@ def apply_rotary(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(q, k):
         return _norm_rope().apply_rotary(q, k, cos, sin)
-    out = cpu_ops.apply_rotary(q, k, cos, sin) if _use_native() else None
+    out = cpu_ops.apply_rotary(q, k, cos, sin) if native_allowed() else None
     return out if out is not None else _ref_rope.apply_rotary(q, k, cos, sin)
 
 
@@ -345,7 +341,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [..., 2 * inter]: one triton pass on CUDA."""
     if _use_triton(gate_up):
         return _activation().silu_and_mul(gate_up)
-    out = cpu_ops.silu_and_mul(gate_up) if _use_native() else None
+    out = cpu_ops.silu_and_mul(gate_up) if native_allowed() else None
     return out if out is not None else _ref_act.silu_and_mul(gate_up)
 
 

@@ -10,7 +10,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #if defined(__AVX512BF16__)

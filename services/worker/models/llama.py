@@ -92,7 +92,7 @@ def enable_native_layers(root: nn.Module, device: torch.device, dtype: torch.dty
     if os.environ.get("STOKER_NATIVE_LAYER", "on") == "off":
         return 0
     module = cpu_ops.load() if device.type == "cpu" else None
-    if module is None or not hasattr(module, "llama_layer"):
+    if module is None:
         return 0
     marked = 0
     for layer in root.modules():
