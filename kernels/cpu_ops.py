@@ -156,6 +156,17 @@ def prefill_attention(
     return module.prefill_attention(*args, window or 0, softcap or 0.0)
 
 
+def use_bf16_pairs() -> bool:
+    """Whether bfloat16 linear weights go in `bf16_pairs_linear`'s layout instead of oneDNN's:
+    by default where it was built (AVX512-BF16); STOKER_CPU_GEMM=onednn forces oneDNN. On the
+    Zen 4 box it ran SmolLM2's bfloat16 layers 2.2-4.8x faster than oneDNN at one row, 1.2-1.6x
+    at 16 and level from 256 up (docs/benchmarks.md, twenty-seventh session)."""
+    if os.environ.get("STOKER_CPU_GEMM", "auto") == "onednn":
+        return False
+    module = load()
+    return module is not None and bool(module.bf16_pairs_supported())
+
+
 def use_panel_linear() -> bool:
     """Whether float32 linear weights go in `panel_linear`'s layout instead of oneDNN's.
 
@@ -183,6 +194,18 @@ def panel_linear(
 ) -> torch.Tensor:
     """x @ W^T (+ bias) against `pack_panels(W)`."""
     return load().panel_linear(x, panels, bias)  # type: ignore[union-attr]
+
+
+def pack_bf16_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """A [N, K] weight (N a multiple of 16, K even) as bfloat16 [N / 16, K / 2, 16, 2]."""
+    return load().pack_bf16_pairs(weight.detach())  # type: ignore[union-attr]
+
+
+def bf16_pairs_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """bfloat16 x @ W^T (+ bias), rounded to bfloat16 once, against `pack_bf16_pairs(W)`."""
+    return load().bf16_pairs_linear(x, packed, bias)  # type: ignore[union-attr]
 
 
 def _native_rows(*tensors: torch.Tensor) -> ModuleType | None:

@@ -24,7 +24,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_pairs_supported", &bf16_pairs_supported, "whether bf16_pairs_linear was built");
   m.def("pack_bf16_pairs", &pack_bf16_pairs, "a [N, K] weight as [N / 16, K / 2, 16, 2] bf16");
   m.def("bf16_pairs_linear", &bf16_pairs_linear,
-        "bfloat16 x @ W^T, rounded to bfloat16, against pack_bf16_pairs(W) (AVX512-BF16)");
+        "bfloat16 x @ W^T (+ bias), rounded to bfloat16 once, against pack_bf16_pairs(W) "
+        "(AVX512-BF16)",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("bias") = pybind11::none());
   m.def("llama_layer", &llama_layer,
         "a Llama-style decoder layer over a CPU step, the same kernels as the Python layer");
 }

@@ -36,8 +36,8 @@ void store_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 bool bf16_pairs_supported();
 torch::Tensor pack_bf16_pairs(torch::Tensor weight);
-torch::Tensor bf16_pairs_linear(torch::Tensor x, torch::Tensor packed);
 using OptTensor = c10::optional<torch::Tensor>;
+torch::Tensor bf16_pairs_linear(torch::Tensor x, torch::Tensor packed, OptTensor bias);
 std::tuple<torch::Tensor, torch::Tensor> llama_layer(
     torch::Tensor hidden, OptTensor residual, torch::Tensor input_norm, torch::Tensor qkv_w,
     OptTensor qkv_bias, OptTensor q_norm, OptTensor k_norm, torch::Tensor o_w,

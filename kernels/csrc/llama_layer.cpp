@@ -13,7 +13,8 @@
 
 namespace {
 
-// services/worker/models/layers.linear: oneDNN's packed weight, the panel layout, or plain.
+// services/worker/models/layers.linear: oneDNN's packed weight, the float32 panel layout, the
+// bfloat16 pair layout, or plain.
 torch::Tensor layer_linear(const torch::Tensor& x, const torch::Tensor& w, const OptTensor& bias) {
   if (w.is_mkldnn()) {
     static const auto op =
@@ -29,6 +30,7 @@ torch::Tensor layer_linear(const torch::Tensor& x, const torch::Tensor& w, const
     return stack[0].toTensor();
   }
   if (w.dim() == 3) return panel_linear(x, w, bias);
+  if (w.dim() == 4) return bf16_pairs_linear(x, w, bias);
   return torch::nn::functional::linear(x, w, bias.has_value() ? *bias : torch::Tensor());
 }
 

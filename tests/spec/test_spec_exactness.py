@@ -23,6 +23,7 @@ import pytest
 
 from common.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from common.model_config import ModelLoadError
+from kernels import cpu_ops
 from services.engine import LLM, SamplingParams
 from tests.factory import make_model
 from tests.spec.fakes import count_proposal_kinds, spec_stats
@@ -213,6 +214,30 @@ def test_greedy_speculation_is_exact(
         assert scheduler.num_preemptions > 0, "the pool was meant to force preemption"
     if name == "prefix":
         assert scheduler.prefix_hits > 0, "shared prefixes should hit the cache"
+
+
+@pytest.mark.skipif(
+    not cpu_ops.use_bf16_pairs(), reason="bfloat16 linears are batch-invariant on the pair kernel"
+)
+@pytest.mark.parametrize("name, method", [("mixed", "ngram"), ("chunked", "self")])
+def test_greedy_speculation_is_exact_in_bfloat16_on_the_pair_kernel(
+    spec_models: Callable[[str], SpecModels], name: str, method: str
+) -> None:
+    """On a CPU with AVX512-BF16, bfloat16 linears run on the native pair kernel, which computes
+    each output as one ordered chain whatever the row count (tests/kernels/test_bf16_pairs.py);
+    every other CPU kernel is row-wise too, so a verify row is the decode row it stands for and
+    bfloat16 greedy output under speculation is the plain run's. (With oneDNN's bfloat16 linears
+    SmolLM2's batch-1 n-gram output parted from plain greedy on 5 of 8 chat prompts:
+    docs/benchmarks.md, twenty-seventh session.)"""
+    models = spec_models("llama")
+    scenario = SCENARIOS[name]
+    prompts = scenario.prompts(1)
+    params = sampling_params(scenario, prompts, [None] * len(prompts))
+    options = {**scenario.options, "dtype": "bfloat16"}
+    ref = generate(models.target, prompts, params, **options)
+    got = generate(models.target, prompts, params, **options, **spec_options(method, models, True))
+    assert got.outputs == ref.outputs
+    assert spec_stats(got.llm.engine.scheduler).accepted_tokens > 0
 
 
 def generate_ngram_first(

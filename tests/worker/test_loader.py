@@ -51,19 +51,26 @@ def test_half_precision_matches_transformers_at_a_tolerance(folder, dtype):
     torch.testing.assert_close(got, ref[first.top_ids], rtol=0, atol=0.1)
 
 
-def test_bfloat16_linears_are_onednn_packed_where_the_cpu_has_bf16_arithmetic(folder):
+def test_bfloat16_linears_are_packed_where_the_cpu_has_bf16_arithmetic(folder):
+    from kernels import cpu_ops
     from services.worker.models.layers import linear
 
     llm = LLM(folder, dtype="bfloat16", num_kv_blocks=16)
     model = llm.engine.runner.model
     weight = model.layers[0].mlp.gate_up_proj
     has_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    assert weight.is_mkldnn == has_bf16  # without AVX512-BF16 / AMX oneDNN would emulate it
-    if not has_bf16:
+    if not has_bf16:  # without AVX512-BF16 / AMX oneDNN would emulate it
+        assert weight.dim() == 2 and not weight.is_mkldnn
         pytest.skip("this CPU has no bfloat16 arithmetic: the packed bf16 path is not taken")
     assert weight.dtype == torch.bfloat16
-    x = torch.randn(5, weight.shape[1]).bfloat16()
-    plain = torch.nn.functional.linear(x.float(), weight.to_dense().float())
+    pairs = cpu_ops.use_bf16_pairs()  # the native pair layout, else oneDNN's
+    assert (weight.dim() == 4) == pairs and weight.is_mkldnn != pairs
+    if pairs:  # [N / 16, K / 2, 16, 2] back to [N, K]
+        dense = weight.permute(0, 2, 1, 3).reshape(16 * weight.shape[0], 2 * weight.shape[1])
+    else:
+        dense = weight.to_dense()
+    x = torch.randn(5, dense.shape[1]).bfloat16()
+    plain = torch.nn.functional.linear(x.float(), dense.float())
     torch.testing.assert_close(linear(x, weight).float(), plain, rtol=2e-2, atol=2e-2)
 
 

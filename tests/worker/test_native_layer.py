@@ -84,17 +84,22 @@ def _forward(model, cfg, chunks, dtype, native: bool, trim: bool = False):
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("onednn", ["1", "0"])  # packed weights (panels / oneDNN) or plain
+# Packed weights in the default layouts (float32 panels, bfloat16 pairs where the CPU has
+# AVX512-BF16), packed in oneDNN's, or plain.
+@pytest.mark.parametrize("weights", ["native", "onednn", "plain"])
 @pytest.mark.parametrize("step", ["decode", "mixed", "mixed-trimmed"])
 def test_native_layer_equals_the_python_layer(
-    tmp_path: Path, arch: str, extra: dict, dtype: torch.dtype, onednn: str, step: str,
+    tmp_path: Path, arch: str, extra: dict, dtype: torch.dtype, weights: str, step: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    monkeypatch.setenv("STOKER_CPU_ONEDNN", onednn)
+    monkeypatch.setenv("STOKER_CPU_ONEDNN", "0" if weights == "plain" else "1")
+    monkeypatch.setenv("STOKER_CPU_GEMM", "onednn" if weights == "onednn" else "auto")
     folder = make_model(tmp_path / arch, arch, num_layers=3, hidden_size=128, **extra)
     cfg = ModelConfig.from_folder(folder)
     model = load_model(folder, dtype, "cpu", 256)
     assert all(layer.native_forward is not None for layer in _layers(model))
+    if weights == "native" and dtype == torch.bfloat16 and cpu_ops.use_bf16_pairs():
+        assert all(layer.mlp.gate_up_proj.dim() == 4 for layer in _layers(model))
     if "sliding_window" in extra:
         assert all(layer.attn.window == 24 for layer in _layers(model))
     chunks = _chunks(random.Random(2), prompt=step != "decode")

@@ -43,12 +43,14 @@ def param(*shape: int) -> nn.Parameter:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or the CPU kernel for a weight `pack_weight` laid out: oneDNN's (float32 or
-    bfloat16) or the native panel kernel's (float32, a 3-D [N / 16, K, 16] tensor; every other
-    weight reaching here is 2-D)."""
+    bfloat16), the native panel kernel's (float32, a 3-D [N / 16, K, 16] tensor) or the native
+    bfloat16 pair kernel's (a 4-D [N / 16, K / 2, 16, 2] tensor); every other weight is 2-D."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if weight.dim() == 3:
         return cpu_ops.panel_linear(x, weight, bias)
+    if weight.dim() == 4:
+        return cpu_ops.bf16_pairs_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -70,19 +72,33 @@ def packs_to_panels(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and weight.shape[0] % 16 == 0 and cpu_ops.use_panel_linear()
 
 
+def packs_to_pairs(weight: torch.Tensor) -> bool:
+    """Whether `pack_weight` lays this bfloat16 weight out for the native pair kernel (the same
+    bytes, reordered) rather than in oneDNN's opaque layout."""
+    n, k = weight.shape
+    return weight.dtype == torch.bfloat16 and n % 16 == k % 2 == 0 and cpu_ops.use_bf16_pairs()
+
+
+def packs_natively(weight: torch.Tensor) -> bool:
+    return packs_to_panels(weight) or packs_to_pairs(weight)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """One [out, in] float32 or bfloat16 weight laid out for `linear`: in the native panel
-    kernel's layout where `packs_to_panels`, otherwise in oneDNN's blocked one."""
+    kernel's layout where `packs_to_panels`, the pair kernel's where `packs_to_pairs`, otherwise
+    in oneDNN's blocked one."""
     if packs_to_panels(weight):
         return cpu_ops.pack_panels(weight)
+    if packs_to_pairs(weight):
+        return cpu_ops.pack_bf16_pairs(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_BATCH_HINT)
 
 
 def pack_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`pack_weight` of each, the panel-laid-out ones in one huge-page arena
-    (`cpu_tuning.huge_page_arena`), each at a 64-byte boundary for the kernel's aligned loads.
+    """`pack_weight` of each, the natively laid-out ones (panels, pairs) in one huge-page arena
+    (`cpu_tuning.huge_page_arena`), each at a 64-byte boundary for the kernels' loads.
     Weights are packed one at a time into the arena, so loading never holds two copies."""
-    panel = [packs_to_panels(w) for w in weights]
+    panel = [packs_natively(w) for w in weights]
     slots = [-(-w.numel() * w.element_size() // 64) * 64 if p else 0 for w, p in zip(weights, panel)]
     arena = huge_page_arena(sum(slots)) if sum(slots) else None
     out, start = [], 0
@@ -91,7 +107,7 @@ def pack_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
             out.append(pack_weight(w))
             continue
         assert arena is not None  # sized above for every panel weight
-        panels = cpu_ops.pack_panels(w)
+        panels = pack_weight(w)
         slot = arena[start : start + panels.numel() * panels.element_size()]
         out.append(slot.view(panels.dtype).view(panels.shape).copy_(panels))
         start += size
