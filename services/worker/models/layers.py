@@ -80,6 +80,7 @@ def packs_to_pairs(weight: torch.Tensor) -> bool:
 
 
 def packs_natively(weight: torch.Tensor) -> bool:
+    """Whether `pack_weight` gives a native kernel's layout (plain bytes, so arena-placeable)."""
     return packs_to_panels(weight) or packs_to_pairs(weight)
 
 
@@ -98,18 +99,18 @@ def pack_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """`pack_weight` of each, the natively laid-out ones (panels, pairs) in one huge-page arena
     (`cpu_tuning.huge_page_arena`), each at a 64-byte boundary for the kernels' loads.
     Weights are packed one at a time into the arena, so loading never holds two copies."""
-    panel = [packs_natively(w) for w in weights]
-    slots = [-(-w.numel() * w.element_size() // 64) * 64 if p else 0 for w, p in zip(weights, panel)]
+    native = [packs_natively(w) for w in weights]
+    slots = [-(-w.numel() * w.element_size() // 64) * 64 if n else 0 for w, n in zip(weights, native)]
     arena = huge_page_arena(sum(slots)) if sum(slots) else None
     out, start = [], 0
-    for w, p, size in zip(weights, panel, slots, strict=True):
-        if not p:
+    for w, n, size in zip(weights, native, slots, strict=True):
+        if not n:
             out.append(pack_weight(w))
             continue
-        assert arena is not None  # sized above for every panel weight
-        panels = pack_weight(w)
-        slot = arena[start : start + panels.numel() * panels.element_size()]
-        out.append(slot.view(panels.dtype).view(panels.shape).copy_(panels))
+        assert arena is not None  # sized above for every natively laid-out weight
+        packed = pack_weight(w)
+        slot = arena[start : start + packed.numel() * packed.element_size()]
+        out.append(slot.view(packed.dtype).view(packed.shape).copy_(packed))
         start += size
     return out
 
