@@ -9,6 +9,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -145,7 +146,19 @@ async def _full_queue(model, tmp_path, stall: bool) -> None:
     finally:
         api.close(linger=0)
         tokenizer.close(linger=0)
-        service.ctx.destroy(linger=0)
+        _destroy_within(service.ctx, 10.0)
+
+
+def _destroy_within(ctx: zmq.Context, seconds: float) -> None:
+    """`ctx.destroy(linger=0)`, waiting at most `seconds` for it (the loop is blocked meanwhile,
+    so nothing else touches the sockets).
+    Once in about twenty full runs, zmq_ctx_term hung here after every assertion had passed
+    (pytest-timeout, 600 s, inside Context.term) with the ROUTER's pipe to the stalled peer
+    holding megabytes; linger 0 should have dropped them. The test is about the scheduler's
+    failure handling, which it has checked by then, so the term is left to a daemon thread."""
+    destroy = threading.Thread(target=ctx.destroy, kwargs={"linger": 0}, daemon=True)
+    destroy.start()
+    destroy.join(seconds)
 
 
 def test_a_flooded_tokenizer_keeps_heartbeating(model, tmp_path):
