@@ -26,9 +26,9 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from kernels import cpu_ops
+from services.worker.models.layers import linear, pack_weight, packs_to_pairs
 
 log = logging.getLogger("stoker.worker")
 
@@ -68,19 +68,15 @@ class GreedyHead:
     def __init__(self, weight: torch.Tensor) -> None:
         """weight: the float32 LM head, [vocab, hidden], as packed into the model's panels."""
         self.weight = weight
-        vocab, hidden = weight.shape
+        hidden = weight.shape[1]
         # float64 norms, rounded up: the bound must hold for the computed numbers too.
         self.col_norm = (weight.double().norm(dim=1) * (1 + 1e-6)).float()
         self.scale = (2 * 2.0**-9 + 2.0**-18 + 2.1 * hidden * 2.0**-24) * (1 + 1e-4)
         bf16 = weight.detach().to(torch.bfloat16).contiguous()
-        module = cpu_ops.load()
-        self._kernel = "torch"
-        if module is not None and module.bf16_pairs_supported() and vocab % 16 == hidden % 2 == 0:
-            self._packed, self._kernel = module.pack_bf16_pairs(bf16), "pairs"
-        elif torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            self._packed, self._kernel = torch.ops.mkldnn._reorder_linear_weight(bf16, 64), "onednn"
-        else:
-            self._packed = bf16
+        # Laid out as a bfloat16 model's linears are (`pack_weight`: the native pair kernel's
+        # layout, else oneDNN's); plain where the CPU has no bfloat16 arithmetic.
+        native = packs_to_pairs(bf16) or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        self._packed = pack_weight(bf16) if native else bf16
         self.rows_screened = 0  # rows answered by the screen, and rows computed in full
         self.rows_full = 0
 
@@ -88,14 +84,7 @@ class GreedyHead:
         """bfloat16 logits: the native pair kernel's (kernels/csrc/bf16_pairs.cpp: exact products,
         float32 sums, rounded to bfloat16 once; 1.1-1.9x faster than oneDNN's at 1-64 rows of
         SmolLM2's head), else oneDNN's, which round the same way."""
-        x = hidden.to(torch.bfloat16)
-        if self._kernel == "pairs":
-            module = cpu_ops.load()
-            assert module is not None
-            return module.bf16_pairs_linear(x, self._packed)
-        if self._kernel == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
-        return F.linear(x, self._packed)
+        return linear(hidden.to(torch.bfloat16), self._packed)
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[R] int64 greedy tokens of float32 hidden rows [R, hidden]; None: some row needs the

@@ -35,9 +35,9 @@ def _heads(weight: torch.Tensor) -> list[GreedyHead]:
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         kernels["onednn"] = torch.ops.mkldnn._reorder_linear_weight(bf16, 64)
     heads = []
-    for kernel, packed in kernels.items():
+    for packed in kernels.values():  # `linear` tells the layouts apart
         head = GreedyHead(weight)
-        head._packed, head._kernel = packed, kernel
+        head._packed = packed
         heads.append(head)
     return heads
 
