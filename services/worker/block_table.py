@@ -32,6 +32,10 @@ class BlockTable:
         self.table[row, start:end] = block_ids
         self._widths[row] = end
 
+    def widths(self, rows: np.ndarray) -> np.ndarray:
+        """The filled columns (block count) of each of these rows."""
+        return self._widths[rows]
+
     def release(self, row: int) -> None:
         self.table[row, : self._widths[row]] = 0
         self._widths[row] = 0

@@ -123,12 +123,31 @@ class DecodeGraphs:
             len(c.token_ids) == 1 and len(c.block_ids) <= width for c in chunks
         )
 
+    def accepts_rows(self, widths: np.ndarray) -> bool:
+        """A plain decode batch (one token per request), given each request's block count."""
+        return 0 < len(widths) <= self.sizes[-1] and int(widths.max()) <= self.width
+
     def prepare(self, chunks: list[Chunk]) -> None:
         """Pad the batch to the next captured size and copy its inputs into the buffers."""
         num = len(chunks)
-        size = self.sizes[bisect.bisect_left(self.sizes, num)]
-        self._fill(chunks, size)
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=num)
+        ids = [c.token_ids[0] for c in chunks]
+        size = self._size(num)
+        self._fill(size, ids, starts, block_ids=[c.block_ids for c in chunks])
         self._pending = (self._entries[size], num)
+
+    def prepare_rows(
+        self, token_ids: np.ndarray, positions: np.ndarray, tables: np.ndarray
+    ) -> None:
+        """prepare() for a plain decode batch given as arrays: tables are the requests' rows
+        of a BlockTable (zero past their blocks), at most `width` columns."""
+        num = len(token_ids)
+        size = self._size(num)
+        self._fill(size, token_ids, positions, tables=tables)
+        self._pending = (self._entries[size], num)
+
+    def _size(self, num: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, num)]
 
     def run(self) -> torch.Tensor:
         """Final hidden states of the prepared batch's real rows, [num, hidden]. The tensor is
@@ -145,25 +164,35 @@ class DecodeGraphs:
         assert hidden is not None
         return hidden[:num]
 
-    def _fill(self, chunks: list[Chunk], size: int) -> None:
+    def _fill(
+        self,
+        size: int,
+        token_ids: list[int] | np.ndarray,
+        starts: np.ndarray,
+        block_ids: list[list[int]] | None = None,
+        tables: np.ndarray | None = None,
+    ) -> None:
+        """The first len(starts) rows from the step, the rest padding. Each row's block table
+        comes from block_ids (its own list) or tables (gathered rows, [num, <= width])."""
         if self._copied is not None:
             self._copied.synchronize()  # no-op once the copy is done (the sampler synced)
-        num, width, bs, at = len(chunks), self.width, self.block_size, self._fields_at
+        num, width, bs, at = len(starts), self.width, self.block_size, self._fields_at
         fields = self._host[at : at + _FIELDS * size]
         ids, positions, slots, lens = (fields[i * size : (i + 1) * size] for i in range(_FIELDS))
-        tables = self._host[: size * width].reshape(size, width)
-        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=num)
-        ids[:num] = [c.token_ids[0] for c in chunks]
+        host_tables = self._host[: size * width].reshape(size, width)
+        ids[:num] = token_ids
         positions[:num] = starts
         lens[:num] = starts + 1
         # Columns past a request's blocks keep ids from earlier steps (or 0): always valid block
         # ids, and never read below the context length.
-        for row, chunk in enumerate(chunks):
-            tables[row, : len(chunk.block_ids)] = chunk.block_ids
-        slots[:num] = tables[np.arange(num), starts // bs] * bs + starts % bs
+        if tables is not None:
+            host_tables[:num, : tables.shape[1]] = tables
+        for row, blocks in enumerate(block_ids or ()):
+            host_tables[row, : len(blocks)] = blocks
+        slots[:num] = host_tables[np.arange(num), starts // bs] * bs + starts % bs
         ids[num:], positions[num:], lens[num:] = 0, 0, 1
         slots[num:] = self.scratch_block * bs
-        tables[num:, 0] = self.scratch_block
+        host_tables[num:, 0] = self.scratch_block
         for lo, hi in ((0, size * width), (at, at + _FIELDS * size)):
             self._device_buf[lo:hi].copy_(self._host_buf[lo:hi], non_blocking=True)
         if self._copied is not None:
@@ -189,7 +218,8 @@ class DecodeGraphs:
         # Largest first: the smaller graphs reuse the shared pool's intermediate buffers.
         for size in reversed(self.sizes):
             entry = self._entries[size]
-            self._fill([], size)  # all padding: capture writes to the scratch block only
+            # All padding: capture writes to the scratch block only.
+            self._fill(size, [], np.zeros(0, np.int64))
             # Warm-up outside capture, on a side stream as torch recommends: triton compiles
             # this size's specialisations and cuBLAS picks its kernels before recording.
             side = torch.cuda.Stream(self.device)

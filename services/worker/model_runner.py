@@ -12,6 +12,7 @@ import logging
 import math
 import time
 
+import numpy as np
 import torch
 
 from common.config import EngineConfig
@@ -48,6 +49,7 @@ from services.worker.spec_verify import VerifyGroup, accept_equal, verify
 from services.worker.step_inputs import (
     Chunk,
     StepInputs,
+    build_decode_inputs,
     build_step_inputs,
     max_decode_chunk,
     sample_ranges,
@@ -231,8 +233,8 @@ class ModelRunner:
     # -- plan bookkeeping ---------------------------------------------------------------------
 
     def _apply_plan(self, plan: StepPlan) -> list[Scheduled]:
-        for req_id in plan.finished_req_ids:
-            self.drop_request(req_id)
+        """The step's requests, new ones registered and running ones given their new blocks
+        (finished ones are dropped before, by execute)."""
         scheduled: list[Scheduled] = []
         for new in plan.new_requests:
             prompt = unpack_ids(new.prompt_token_ids)
@@ -275,11 +277,110 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.drop(req_id)
 
+    # -- the plain decode step -----------------------------------------------------------------
+
+    def _plain_decode_states(self, plan: StepPlan) -> list[RequestState] | None:
+        """The running requests' states where this step only decodes one token for each: no new
+        requests, no drafts, each at the end of its known tokens. That is nearly every step at
+        high concurrency, and `_execute_plain_decode` runs it on arrays; None: any other step,
+        which takes the general path. Reads state, changes none."""
+        running = plan.running
+        req_ids = running.req_ids
+        if (
+            plan.new_requests
+            or not req_ids
+            or running.spec_token_ids
+            or running.num_spec_tokens
+            or self.eagle is not None  # it records every eager forward's chunks
+            or running.num_scheduled_tokens.count(1) != len(req_ids)
+        ):
+            return None
+        requests = self.requests
+        states = [requests[r] for r in req_ids]
+        if any(len(s.token_ids) != s.num_computed + 1 for s in states):
+            return None  # a one-token prompt chunk, which samples nothing
+        return states
+
+    def _execute_plain_decode(
+        self, plan: StepPlan, states: list[RequestState], t0: float
+    ) -> StepResult:
+        """execute() for a plain decode step: the same result as the general path, from
+        per-request arrays instead of Scheduled and Chunk objects (tests/worker/
+        test_plain_decode.py compares the two step for step)."""
+        running, table = plan.running, self.block_table
+        for i, blocks in enumerate(running.new_block_ids):
+            if blocks:
+                state = states[i]
+                state.block_ids.extend(blocks)
+                table.append(state.table_row, blocks)
+        n = len(states)
+        ids = np.fromiter((s.token_ids[-1] for s in states), np.int64, n)
+        positions = np.fromiter((s.num_computed for s in states), np.int64, n)
+        rows = np.fromiter((s.table_row for s in states), np.int64, n)
+        t1 = time.perf_counter()
+        logits = greedy_ids = None
+        if self.model is not None:
+            graphs = self.graphs
+            if graphs is not None and not graphs.accepts_rows(table.widths(rows)):
+                graphs = None
+            inputs = None
+            if graphs is not None:
+                graphs.prepare_rows(ids, positions, table.table[rows, : graphs.width])
+            else:
+                tables = table.table[rows, : int(table.widths(rows).max())]
+                inputs = build_decode_inputs(ids, positions, tables, self.block_size, self.device)
+            argmax_only = all(s.sampling.argmax_only for s in states)
+            self.forward_timer.start()
+            with span("forward"):
+                logits, greedy_ids = self._forward(graphs, inputs, None, n, argmax_only)
+            self.forward_timer.stop()
+        t2 = time.perf_counter()
+        logprobs: list[TokenLogprobs | None] | None = None
+        with span("sample"):
+            if self.model is None:  # null model: a fixed, cheap next token, as in _sample
+                tokens = ((ids * 7 + 1) % self.model_cfg.vocab_size).tolist()
+            elif greedy_ids is not None:
+                tokens = host_list(greedy_ids)
+            else:
+                assert logits is not None
+                rows_ = [Row(s.sampling, len(s.token_ids) - s.prompt_len) for s in states]
+                batch = batch_for(rows_, self.model_cfg.vocab_size, self.device)
+                tokens = host_list(self.sampler(logits, batch).token_ids)
+                if any(s.params.logprobs is not None for s in states):
+                    lists = [[t] for t in tokens]
+                    per_request = self._logprobs(states, list(range(n)), lists, logits)
+                    logprobs = [None if lp is None else lp[0] for lp in per_request]
+        for state, token in zip(states, tokens):
+            state.num_computed += 1
+            state.token_ids.append(token)
+            if state.sampling.counts is not None:
+                state.sampling.add((token,))
+        t3 = time.perf_counter()
+        forward_host_s = t2 - t1
+        forward_s = 0.0 if self.model is None else self.forward_timer.device_seconds(forward_host_s)
+        return StepResult(
+            step_id=plan.step_id,
+            req_ids=running.req_ids,
+            token_ids=pack_ids(tokens),
+            logprobs=logprobs,
+            prepare_s=t1 - t0,
+            forward_s=forward_s,
+            sample_s=t3 - t2,
+            forward_host_s=forward_host_s,
+            num_tokens=n,
+            num_reqs=n,
+        )
+
     # -- one step -------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
+        for req_id in plan.finished_req_ids:
+            self.drop_request(req_id)
+        states = self._plain_decode_states(plan)
+        if states is not None:
+            return self._execute_plain_decode(plan, states, t0)
         scheduled = self._apply_plan(plan)
         if not scheduled:
             return StepResult(step_id=plan.step_id, req_ids=[], token_ids=b"")
@@ -312,7 +413,13 @@ class ModelRunner:
                 self.model.tap_layers, self.model.taps = eagle.tap_layers, []
             self.forward_timer.start()
             with span("forward"):
-                logits, greedy_ids = self._forward(graphs, inputs, chunks, sampled)
+                graph_rows = None
+                if graphs is not None and len(sampled) < len(chunks):
+                    graph_rows = [i for i, c in enumerate(chunks) if c.num_sampled]
+                argmax_only = all(i.state.sampling.argmax_only for i in sampled)
+                logits, greedy_ids = self._forward(
+                    graphs, inputs, graph_rows, len(sampled), argmax_only
+                )
                 if eagle is not None:
                     self.model.tap_layers = ()
                     req_ids = [i.state.req_id for i in scheduled]
@@ -370,19 +477,20 @@ class ModelRunner:
         self,
         graphs: DecodeGraphs | None,
         inputs: StepInputs | None,
-        chunks: list[Chunk],
-        sampled: list[Scheduled],
+        graph_rows: list[int] | None,
+        num_sampled: int,
+        argmax_only: bool,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The model over this step's chunks: (logits of the sampled rows, None), or (None,
-        their tokens) where every sampled row wants only the argmax and the greedy head found
-        it, or (None, None) where none sample."""
+        """The model over the prepared step (graphs, or eager inputs): (logits of the sampled
+        rows, None), or (None, their tokens) where every sampled row wants only the argmax
+        (argmax_only) and the greedy head found it, or (None, None) where none sample.
+        graph_rows: the graph batch's rows that sample, where not all of them do."""
         assert self.model is not None
         # Every chunk's K/V must be stored, even in a step where no chunk samples.
         if graphs is not None:
             hidden = graphs.run()
-            if len(sampled) < len(chunks):
-                rows = [i for i, c in enumerate(chunks) if c.num_sampled]
-                hidden = hidden[to_device(rows, torch.int64, self.device)]
+            if graph_rows is not None:
+                hidden = hidden[to_device(graph_rows, torch.int64, self.device)]
         else:
             assert inputs is not None
             last_meta = inputs.last_layer_meta
@@ -391,9 +499,9 @@ class ModelRunner:
             )
             rows = inputs.sample_rows if last_meta is None else inputs.last_layer_sample_rows
             hidden = hidden[rows]
-        if not sampled:
+        if not num_sampled:
             return None, None
-        if self.greedy_head is not None and all(i.state.sampling.argmax_only for i in sampled):
+        if self.greedy_head is not None and argmax_only:
             tokens = self.greedy_head.argmax(hidden)
             if tokens is not None:
                 return None, tokens
@@ -472,7 +580,9 @@ class ModelRunner:
                 next(verified) if item.k else [plain[first]]
                 for item, (first, _) in zip(sampled, ranges)
             ]
-        return list(zip(tokens, self._logprobs(sampled, ranges, tokens, logits)))
+        states = [item.state for item in sampled]
+        firsts = [first for first, _ in ranges]
+        return list(zip(tokens, self._logprobs(states, firsts, tokens, logits)))
 
     def _greedy_outputs(self, sampled, ranges, chunks, greedy_ids):
         """_sample's result from the greedy head's tokens: a plain row's token, or a verify's
@@ -484,18 +594,25 @@ class ModelRunner:
             for item, (first, last) in zip(sampled, ranges)
         ]
 
-    def _logprobs(self, sampled, ranges, tokens, logits) -> list[list[TokenLogprobs] | None]:
-        """Per request, its tokens' logprobs if it asked: one pass over the rows that asked."""
-        asked = [i for i, item in enumerate(sampled) if item.state.params.logprobs is not None]
-        out: list[list[TokenLogprobs] | None] = [None] * len(sampled)
+    def _logprobs(
+        self,
+        states: list[RequestState],
+        firsts: list[int],
+        tokens: list[list[int]],
+        logits: torch.Tensor,
+    ) -> list[list[TokenLogprobs] | None]:
+        """Per request, its tokens' logprobs if it asked: one pass over the rows that asked.
+        firsts: each request's first row in the logits."""
+        asked = [i for i, state in enumerate(states) if state.params.logprobs is not None]
+        out: list[list[TokenLogprobs] | None] = [None] * len(states)
         if not asked:
             return out
         rows, ids, top_n = [], [], []
         for i in asked:
-            first = ranges[i][0]
+            first = firsts[i]
             rows.extend(range(first, first + len(tokens[i])))
             ids.extend(tokens[i])
-            top_n.extend([sampled[i].state.params.logprobs] * len(tokens[i]))
+            top_n.extend([states[i].params.logprobs] * len(tokens[i]))
         flat = iter(token_logprobs(logits, rows, ids, top_n))
         for i in asked:
             out[i] = [next(flat) for _ in tokens[i]]

@@ -72,13 +72,21 @@ def _generate(path, prompts, params, graphs: bool, **options):
     runner.execute = counting
     if graphs:
         runner.use_decode_graphs(capture=False)
-        prepare = runner.graphs.prepare
+        graphs_ = runner.graphs
+        prepare, prepare_rows = graphs_.prepare, graphs_.prepare_rows
+
+        def recorded(n: int) -> None:
+            sizes.append((n, graphs_._pending[0].input_ids.shape[0]))
 
         def recording(chunks):
             prepare(chunks)
-            sizes.append((len(chunks), runner.graphs._pending[0].input_ids.shape[0]))
+            recorded(len(chunks))
 
-        runner.graphs.prepare = recording
+        def recording_rows(token_ids, positions, tables):  # the runner's plain decode steps
+            prepare_rows(token_ids, positions, tables)
+            recorded(len(token_ids))
+
+        graphs_.prepare, graphs_.prepare_rows = recording, recording_rows
     outs = llm.generate(prompts, params, use_tqdm=False)
     blocks = llm.engine.block_manager
     blocks.check_invariants()

@@ -159,6 +159,34 @@ def test_block_table_rows_give_the_same_layout_as_the_block_lists():
     assert not table.table.any()
 
 
+def test_plain_decode_steps_from_block_table_rows_equal_the_general_layout():
+    """Every chunk one token that samples: build_step_inputs with a BlockTable takes the array
+    builder (build_decode_inputs), which must give what the per-chunk layout gives."""
+    import random
+
+    rng = random.Random(2)
+    cpu = torch.device("cpu")
+    for _ in range(30):
+        table = BlockTable(num_cols=3, num_rows=4)
+        chunks = []
+        for _ in range(rng.randrange(1, 40)):
+            start = rng.randrange(0, 90)
+            blocks = rng.sample(range(500), -(-(start + 1) // BS) + rng.randrange(0, 2))
+            chunks.append(Chunk([rng.randrange(1000)], start, blocks, 1, table.add(blocks)))
+        general = build_step_inputs(chunks, BS, cpu)
+        plain = build_step_inputs(chunks, BS, cpu, block_table=table.table)
+        for name in ("input_ids", "positions", "sample_rows"):
+            assert torch.equal(getattr(plain, name), getattr(general, name)), name
+        assert plain.sample_ranges == general.sample_ranges
+        m, g = plain.meta, general.meta
+        assert m.num_decode == g.num_decode == len(chunks) and not m.prefills
+        assert torch.equal(m.slot_mapping, g.slot_mapping)
+        assert torch.equal(m.decode_block_tables, g.decode_block_tables)
+        assert torch.equal(m.decode_context_lens, g.decode_context_lens)
+        for t in (plain.input_ids, plain.positions, m.slot_mapping, m.decode_context_lens):
+            assert t.dtype == torch.int64
+
+
 def test_prefill_spans_are_also_laid_out_as_one_batch_for_the_native_kernel():
     decode = Chunk([5], 9, [1, 2, 3], 1)
     fresh = Chunk(list(range(20)), 0, [7, 8, 9, 10, 11], 1)  # 20 tokens from position 0
