@@ -289,8 +289,8 @@ class ModelRunner:
         if (
             plan.new_requests
             or not req_ids
-            or running.spec_token_ids
-            or running.num_spec_tokens
+            or any(running.spec_token_ids)  # [b"", ...] when speculation is on but idle
+            or any(running.num_spec_tokens)
             or self.eagle is not None  # it records every eager forward's chunks
             or running.num_scheduled_tokens.count(1) != len(req_ids)
         ):

@@ -128,3 +128,15 @@ def test_the_null_model_matches_the_general_path(model_path):
     got, taken = _generate(model_path, prompts, params, plain=True, null_model=True)
     _same(got, want)
     assert taken["plain"] > taken["general"], taken
+
+
+def test_steps_where_adaptive_speculation_is_off_take_the_plain_path(model_path):
+    """n-gram speculation configured, but past speculative_max_batch decoding requests the
+    scheduler proposes nothing (empty draft lists): those steps are plain decodes."""
+    prompts = [[7, 8, 9, 7, 8, 9, 7, 8] * 3 for _ in range(6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * 6
+    options = dict(speculative="ngram", speculative_max_batch=2)
+    want, _ = _generate(model_path, prompts, params, plain=False, **options)
+    got, taken = _generate(model_path, prompts, params, plain=True, **options)
+    _same(got, want)
+    assert taken["plain"] > taken["general"], taken
