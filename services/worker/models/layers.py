@@ -87,11 +87,14 @@ def packs_natively(weight: torch.Tensor) -> bool:
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """One [out, in] float32 or bfloat16 weight laid out for `linear`: in the native panel
     kernel's layout where `packs_to_panels`, the pair kernel's where `packs_to_pairs`, otherwise
-    in oneDNN's blocked one."""
+    in oneDNN's blocked one. A bfloat16 weight stays a plain 2-D tensor (F.linear) on a CPU where
+    oneDNN has no bfloat16 path (it needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, and refuses)."""
     if packs_to_panels(weight):
         return cpu_ops.pack_panels(weight)
     if packs_to_pairs(weight):
         return cpu_ops.pack_bf16_pairs(weight)
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return weight.detach().contiguous()
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ONEDNN_BATCH_HINT)
 
 
