@@ -1,11 +1,14 @@
-"""Shared benchmark helpers: the benchmark model, prompt sets, peak RSS, JSON results."""
+"""Shared benchmark helpers: the benchmark model, prompt sets, peak RSS, JSON results, and
+the per-step host-cost benchmarks' arguments and percentiles."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -67,3 +70,21 @@ def write_result(name: str, result: dict) -> Path:
     path = RESULTS_DIR / f"{name}-{stamp}.json"
     path.write_text(json.dumps(result, indent=2))
     return path
+
+
+def steady_decode_args(doc: str) -> argparse.Namespace:
+    """The arguments of the per-step host-cost benchmarks (scheduler_step.py, worker_step.py)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--running", type=int, nargs="+", default=[32, 256])
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    return ap.parse_args()
+
+
+def p50_p99_us(seconds: list[float]) -> dict:
+    xs = sorted(seconds)
+    return {
+        "p50_us": round(statistics.median(xs) * 1e6, 1),
+        "p99_us": round(xs[int(0.99 * (len(xs) - 1))] * 1e6, 1),
+    }

@@ -11,16 +11,14 @@ scheduling is reproduced (two plans in flight), as the service runs it.
 
 from __future__ import annotations
 
-import argparse
 import collections
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_utils import write_result  # noqa: E402  (puts the repo on sys.path)
+from bench_utils import p50_p99_us, steady_decode_args, write_result  # noqa: E402  (puts the repo on sys.path)
 
 from common.ipc import encoder  # noqa: E402
 from common.messages import RequestTokens, StepPlan, StepResult, TokenBatch, pack_ids  # noqa: E402
@@ -89,30 +87,18 @@ def run(num_running: int, steps: int, prompt_len: int, block_size: int) -> dict:
         t_update.append(t4 - t3)
         t_publish.append(t5 - t4)
 
-    def us(xs: list[float]) -> dict:
-        xs = sorted(xs)
-        return {
-            "p50_us": round(statistics.median(xs) * 1e6, 1),
-            "p99_us": round(xs[int(0.99 * (len(xs) - 1))] * 1e6, 1),
-        }
-
     return {
         "running": num_running,
         "steps": steps,
-        "schedule": us(t_schedule),
-        "plan_encode": us(t_encode),
-        "update": us(t_update),
-        "publish": us(t_publish),
+        "schedule": p50_p99_us(t_schedule),
+        "plan_encode": p50_p99_us(t_encode),
+        "update": p50_p99_us(t_update),
+        "publish": p50_p99_us(t_publish),
     }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--running", type=int, nargs="+", default=[32, 256])
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--block-size", type=int, default=16)
-    args = ap.parse_args()
+    args = steady_decode_args(__doc__)
     results = [run(n, args.steps, args.prompt_len, args.block_size) for n in args.running]
     for r in results:
         print(

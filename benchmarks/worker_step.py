@@ -12,15 +12,13 @@ step that is not kernels.
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_utils import bench_model, write_result  # noqa: E402  (puts the repo on sys.path)
+from bench_utils import bench_model, p50_p99_us, steady_decode_args, write_result  # noqa: E402  (puts the repo on sys.path)
 
 from common.config import EngineConfig  # noqa: E402
 from common.ipc import encoder, plan_decoder, worker_outbound_decoder  # noqa: E402
@@ -77,29 +75,17 @@ def run(model: Path, num_running: int, steps: int, prompt_len: int, block_size: 
         t_execute.append(e)
         t_encode.append(c)
 
-    def us(xs: list[float]) -> dict:
-        xs = sorted(xs)
-        return {
-            "p50_us": round(statistics.median(xs) * 1e6, 1),
-            "p99_us": round(xs[int(0.99 * (len(xs) - 1))] * 1e6, 1),
-        }
-
     return {
         "running": num_running,
         "steps": steps,
-        "plan_decode": us(t_decode),
-        "execute": us(t_execute),
-        "result_encode": us(t_encode),
+        "plan_decode": p50_p99_us(t_decode),
+        "execute": p50_p99_us(t_execute),
+        "result_encode": p50_p99_us(t_encode),
     }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--running", type=int, nargs="+", default=[32, 256])
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--block-size", type=int, default=16)
-    args = ap.parse_args()
+    args = steady_decode_args(__doc__)
     model = bench_model()
     results = [run(model, n, args.steps, args.prompt_len, args.block_size) for n in args.running]
     for r in results:

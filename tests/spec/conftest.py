@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-import torch
 
 from tests.spec.spec_models import SpecModels, build
 
@@ -24,11 +23,5 @@ def spec_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Spe
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """These models are tiny (hidden 64): intra-op threads cannot help them, and on a busy
-    2-core machine every OpenMP barrier waits for a descheduled thread (measured: a 16x64 @
-    64x512 linear went from 10 us to 15 ms). One thread keeps the run time predictable."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_torch_thread(one_torch_thread: None) -> None:
+    """Every speculation test runs tiny models: one intra-op thread (tests/conftest.py)."""

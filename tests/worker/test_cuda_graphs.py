@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import random
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -24,13 +23,7 @@ from tests.factory import make_model
 NEW_TOKENS = 12
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models: intra-op threads only add barrier waits on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models
 
 
 @pytest.fixture(scope="module")

@@ -7,23 +7,14 @@ served most of the steps, and no KV block may be left held."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
-import torch
 
 from services.engine import LLM, SamplingParams
 from services.worker.model_runner import ModelRunner
 from tests.factory import make_model
 
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models: intra-op threads only add barrier waits on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models
 
 
 @pytest.fixture(scope="module")
