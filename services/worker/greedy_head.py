@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_ops
-from services.worker.models.layers import linear, pack_weight, packs_to_pairs
+from services.worker.models.layers import linear, pack_weight
 
 log = logging.getLogger("stoker.worker")
 
@@ -74,9 +74,8 @@ class GreedyHead:
         self.scale = (2 * 2.0**-9 + 2.0**-18 + 2.1 * hidden * 2.0**-24) * (1 + 1e-4)
         bf16 = weight.detach().to(torch.bfloat16).contiguous()
         # Laid out as a bfloat16 model's linears are (`pack_weight`: the native pair kernel's
-        # layout, else oneDNN's); plain where the CPU has no bfloat16 arithmetic.
-        native = packs_to_pairs(bf16) or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        self._packed = pack_weight(bf16) if native else bf16
+        # layout, else oneDNN's, else plain where the CPU has no bfloat16 arithmetic).
+        self._packed = pack_weight(bf16)
         self.rows_screened = 0  # rows answered by the screen, and rows computed in full
         self.rows_full = 0
 

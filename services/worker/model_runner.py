@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import math
 import time
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -56,6 +57,13 @@ from services.worker.step_inputs import (
 )
 
 log = logging.getLogger("stoker.worker")
+IdsT = TypeVar("IdsT", int, np.ndarray)
+
+
+def null_next_token(last: IdsT, vocab_size: int) -> IdsT:
+    """The null model's next token after `last` (an id, or an array of them): fixed and cheap,
+    so the host pipeline runs without a forward."""
+    return (last * 7 + 1) % vocab_size
 
 
 @dataclasses.dataclass(slots=True)
@@ -321,13 +329,14 @@ class ModelRunner:
         logits = greedy_ids = None
         if self.model is not None:
             graphs = self.graphs
-            if graphs is not None and not graphs.accepts_rows(table.widths(rows)):
+            widths = table.widths(rows)
+            if graphs is not None and not graphs.accepts_rows(widths):
                 graphs = None
             inputs = None
             if graphs is not None:
                 graphs.prepare_rows(ids, positions, table.table[rows, : graphs.width])
             else:
-                tables = table.table[rows, : int(table.widths(rows).max())]
+                tables = table.table[rows, : int(widths.max())]
                 inputs = build_decode_inputs(ids, positions, tables, self.block_size, self.device)
             argmax_only = all(s.sampling.argmax_only for s in states)
             self.forward_timer.start()
@@ -337,8 +346,8 @@ class ModelRunner:
         t2 = time.perf_counter()
         logprobs: list[TokenLogprobs | None] | None = None
         with span("sample"):
-            if self.model is None:  # null model: a fixed, cheap next token, as in _sample
-                tokens = ((ids * 7 + 1) % self.model_cfg.vocab_size).tolist()
+            if self.model is None:
+                tokens = null_next_token(ids, self.model_cfg.vocab_size).tolist()
             elif greedy_ids is not None:
                 tokens = host_list(greedy_ids)
             else:
@@ -544,9 +553,9 @@ class ModelRunner:
         rows in the logits."""
         if not sampled:
             return []
-        if self.model is None:  # null model: a fixed, cheap next token
+        if self.model is None:
             vocab = self.model_cfg.vocab_size
-            return [([(i.state.token_ids[-1] * 7 + 1) % vocab], None) for i in sampled]
+            return [([null_next_token(i.state.token_ids[-1], vocab)], None) for i in sampled]
         ranges = [r for r, c in zip(ranges, chunks) if c.num_sampled]
         rows: list[Row] = []
         groups: list[VerifyGroup] = []
