@@ -8,11 +8,12 @@
 // One task per request (per (request, kv head) when there are too few requests to share out).
 // The G query heads of a GQA group share every K/V row read; head_dim and G are template
 // parameters so the working accumulators stay in registers. Per kv head, two passes over the
-// context: q.k for 16 tokens at a time (16 dot products reduced together by a butterfly) into a
-// small score buffer, then one exact softmax, then p.v. At batch 64 a one-pass online softmax
-// spent as long on its per-16-token rescaling and horizontal reductions as on reading memory
-// (30 layers' caches of 64 x 300 tokens: 11-18 % less time a layer with two passes). The
-// vector code uses GCC/Clang vector extensions (16 floats), which lower to AVX-512, AVX2 or SSE.
+// context: q.k for one vector's worth of tokens at a time (kLanes dot products reduced together
+// by a butterfly) into a small score buffer, then one exact softmax, then p.v. At batch 64 a
+// one-pass online softmax spent as long on its per-16-token rescaling and horizontal reductions
+// as on reading memory (30 layers' caches of 64 x 300 tokens: 11-18 % less time a layer with two
+// passes). The vector code uses GCC/Clang vector extensions of the ISA's width (vec_exp.h: 16
+// floats with AVX-512, 8 otherwise).
 // window > 0 (sliding-window layers) starts the walk at L - window; softcap > 0 (Gemma 2) maps
 // each score s to tanh(s / softcap) * softcap before the softmax.
 #include <torch/extension.h>
@@ -34,33 +35,33 @@
 
 namespace {
 
-using stoker::i16;
-using stoker::v16;
+using stoker::hmax;
+using stoker::hsum;
+using stoker::kLanes;
 using stoker::vexp;
+using stoker::vf;
+using stoker::vstore;
 
-inline v16 load(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-// bfloat16 is the top half of a float32: widen 16 of them with a shift (vpmovzxwd + vpslld).
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-inline v16 load(const at::BFloat16* p) {
-  u16x16 h;
+inline vf load(const float* p) { return stoker::vload(p); }
+// bfloat16 is the top half of a float32: widen kLanes of them with a shift (vpmovzxwd + vpslld).
+typedef uint16_t u16v __attribute__((vector_size(2 * kLanes)));
+typedef uint32_t u32v __attribute__((vector_size(4 * kLanes)));
+inline vf load(const at::BFloat16* p) {
+  u16v h;
   std::memcpy(&h, p, sizeof(h));
-  const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-  v16 v;
+  const u32v w = __builtin_convertvector(h, u32v) << 16;
+  vf v;
   std::memcpy(&v, &w, sizeof(v));
   return v;
 }
-inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 
-// Sixteen dot-product partials -> one vector of their sums. a[j] must hold the partials of
-// token bitrev4(j); the butterfly then leaves token i's sum in lane i. 30 shuffles and 15 adds
-// replace 16 separate horizontal reductions.
-inline v16 reduce16(const v16* a) {
-  v16 b[8], c[4], d[2];
+// kLanes dot-product partials -> one vector of their sums. a[j] must hold the partials of token
+// kBitrev[j]; the butterfly then leaves token i's sum in lane i. With 16 lanes, 30 shuffles and
+// 15 adds replace 16 separate horizontal reductions.
+#if defined(__AVX512F__)
+constexpr int kBitrev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+inline vf reduce_lanes(const vf* a) {
+  vf b[8], c[4], d[2];
   for (int m = 0; m < 8; ++m)
     b[m] = __builtin_shufflevector(a[2 * m], a[2 * m + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
                                    19, 20, 21, 22, 23) +
@@ -81,35 +82,26 @@ inline v16 reduce16(const v16* a) {
          __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
                                  15, 31);
 }
+#else
+constexpr int kBitrev[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+inline vf reduce_lanes(const vf* a) {
+  vf b[4], c[2];
+  for (int m = 0; m < 4; ++m)
+    b[m] = __builtin_shufflevector(a[2 * m], a[2 * m + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * m], a[2 * m + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int m = 0; m < 2; ++m)
+    c[m] = __builtin_shufflevector(b[2 * m], b[2 * m + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(b[2 * m], b[2 * m + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(c[0], c[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+         __builtin_shufflevector(c[0], c[1], 1, 9, 3, 11, 5, 13, 7, 15);
+}
+#endif
 
 #if defined(__AVX512BF16__)
 constexpr bool kHaveBf16Dot = true;
 #else
 constexpr bool kHaveBf16Dot = false;
 #endif
-
-constexpr int kBitrev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-
-
-// Horizontal max / sum in four halving steps.
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-inline float hmax(v16 v) {
-  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  v8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  a = a > b ? a : b;
-  v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  c = c > d ? c : d;
-  const float x = std::max(c[0], c[2]), y = std::max(c[1], c[3]);
-  return std::max(x, y);
-}
-
-inline float hsum(v16 v) {
-  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (c[0] + c[2]) + (c[1] + c[3]);
-}
 
 // The first context token a query attends to (window > 0: a sliding-window layer).
 inline int64_t first_token(int64_t L, int64_t window) {
@@ -145,18 +137,19 @@ void attend(const KV* q, const KV* kc, const KV* vc, const int64_t* table, int64
             const NextTask<KV>& next) {
   // nh kv heads of one request: q/out hold nh * G query heads; kc/vc point at the first head.
   // Each pass reads only this head's slice of every row.
-  constexpr int C = D / 16;
+  constexpr int C = D / kLanes;
   // bfloat16 caches on CPUs with AVX512-BF16: q.k as bfloat16 pair dot products with float32
   // sums (vdpbf16ps). (p.v the same way, tokens in pairs, measured no faster; not taken.)
   constexpr bool kDot = kHaveBf16Dot && std::is_same_v<KV, at::BFloat16> && D % 32 == 0;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t first = first_token(L, window);
-  const int64_t n_ctx = L - first, chunks = (n_ctx + 15) / 16;
+  const int64_t n_ctx = L - first, chunks = (n_ctx + kLanes - 1) / kLanes;
   thread_local std::vector<float> score_buf;
   thread_local std::vector<int64_t> slot_buf;
-  if (static_cast<int64_t>(score_buf.size()) < G * chunks * 16) score_buf.resize(G * chunks * 16);
-  if (static_cast<int64_t>(slot_buf.size()) < chunks * 16) slot_buf.resize(chunks * 16);
-  float* scores = score_buf.data();  // [G][chunks * 16]
+  if (static_cast<int64_t>(score_buf.size()) < G * chunks * kLanes)
+    score_buf.resize(G * chunks * kLanes);
+  if (static_cast<int64_t>(slot_buf.size()) < chunks * kLanes) slot_buf.resize(chunks * kLanes);
+  float* scores = score_buf.data();  // [G][chunks * kLanes]
   int64_t* slots = slot_buf.data();
   {
     int64_t block = first / BS, offset = first % BS;
@@ -165,7 +158,7 @@ void attend(const KV* q, const KV* kc, const KV* vc, const int64_t* table, int64
       if (++offset == BS) offset = 0, ++block;
     }
   }
-  const int64_t stride = chunks * 16, next_len = next.L - next.first;
+  const int64_t stride = chunks * kLanes, next_len = next.L - next.first;
   const int64_t steps = 2 * nh * chunks;  // chunk passes of this task (next-task prefetch)
   int64_t step = 0;
   // A slice of the next task's rows, in proportion, toward L2 (prefetcht2) with every chunk
@@ -182,7 +175,7 @@ void attend(const KV* q, const KV* kc, const KV* vc, const int64_t* table, int64
   // This head's slice of its own rows two chunks ahead, into L2 (prefetcht1; into L1 measured
   // slower, 64 rows ahead no faster).
   auto prefetch_own = [&](const KV* base, int64_t c0) {
-    for (int64_t t = c0 + 32, e = std::min<int64_t>(n_ctx, c0 + 48); t < e; ++t)
+    for (int64_t t = c0 + 2 * kLanes, e = std::min<int64_t>(n_ctx, c0 + 3 * kLanes); t < e; ++t)
       for (int64_t c = 0; c < D; c += 64 / sizeof(KV))  // one cache line
         __builtin_prefetch(base + slots[t] + c, 0, 2);
   };
@@ -190,76 +183,76 @@ void attend(const KV* q, const KV* kc, const KV* vc, const int64_t* table, int64
     const KV* qh = q + h * G * D;
     const KV* kh = kc + h * D;
     const KV* vh = vc + h * D;
-    v16 mv[G];
-    for (int g = 0; g < G; ++g) mv[g] = v16{} + neg_inf;
-    for (int64_t c0 = 0; c0 < n_ctx; c0 += 16) {
+    vf mv[G];
+    for (int g = 0; g < G; ++g) mv[g] = vf{} + neg_inf;
+    for (int64_t c0 = 0; c0 < n_ctx; c0 += kLanes) {
       prefetch_next();
       prefetch_own(kh, c0);
-      const int n = static_cast<int>(std::min<int64_t>(16, n_ctx - c0));
+      const int n = static_cast<int>(std::min<int64_t>(kLanes, n_ctx - c0));
       const int64_t* sl = slots + c0;
       for (int g = 0; g < G; ++g) {
-        v16 part[16];
+        vf part[kLanes];
 #if defined(__AVX512BF16__)
         if constexpr (kDot) {  // no widening of K, which each of the G query heads would repeat
           constexpr int C2 = D / 32;
           __m512bh qv[C2];
           for (int c = 0; c < C2; ++c)
             qv[c] = (__m512bh)_mm512_loadu_si512(qh + g * D + 32 * c);
-          for (int i = 0; i < 16; ++i) {
+          for (int i = 0; i < kLanes; ++i) {
             __m512 a = _mm512_setzero_ps();
             if (i < n) {
               const KV* k = kh + sl[i];
               for (int c = 0; c < C2; ++c)
                 a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
             }
-            part[kBitrev4[i]] = (v16)a;
+            part[kBitrev[i]] = (vf)a;
           }
         } else
 #endif
         {
-          v16 qs[C];
-          for (int c = 0; c < C; ++c) qs[c] = load(qh + g * D + 16 * c) * sc;
-          for (int i = 0; i < 16; ++i) {
-            v16 a = {};
+          vf qs[C];
+          for (int c = 0; c < C; ++c) qs[c] = load(qh + g * D + kLanes * c) * sc;
+          for (int i = 0; i < kLanes; ++i) {
+            vf a = {};
             if (i < n) {
               const KV* k = kh + sl[i];
-              for (int c = 0; c < C; ++c) a += qs[c] * load(k + 16 * c);
+              for (int c = 0; c < C; ++c) a += qs[c] * load(k + kLanes * c);
             }
-            part[kBitrev4[i]] = a;
+            part[kBitrev[i]] = a;
           }
         }
-        v16 s = reduce16(part);
+        vf s = reduce_lanes(part);
         if constexpr (kDot) s *= sc;  // the other path scaled q instead
         if (cap > 0.f)
           for (int i = 0; i < n; ++i) s[i] = std::tanh(s[i] / cap) * cap;
-        for (int i = n; i < 16; ++i) s[i] = neg_inf;
+        for (int i = n; i < kLanes; ++i) s[i] = neg_inf;
         mv[g] = mv[g] > s ? mv[g] : s;
-        store(scores + g * stride + c0, s);
+        vstore(scores + g * stride + c0, s);
       }
     }
     float l[G];
     for (int g = 0; g < G; ++g) {
       const float m = hmax(mv[g]);
       float* sg = scores + g * stride;
-      v16 sum = {};
-      for (int64_t c0 = 0; c0 < n_ctx; c0 += 16) {
-        const v16 e = vexp(load(sg + c0) - m);  // exp(-inf - m) underflows to 0 for the tail
+      vf sum = {};
+      for (int64_t c0 = 0; c0 < n_ctx; c0 += kLanes) {
+        const vf e = vexp(load(sg + c0) - m);  // exp(-inf - m) underflows to 0 for the tail
         sum += e;
-        store(sg + c0, e);
+        vstore(sg + c0, e);
       }
       l[g] = hsum(sum);
     }
-    v16 acc[G][C];
+    vf acc[G][C];
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) acc[g][c] = v16{};
-    for (int64_t c0 = 0; c0 < n_ctx; c0 += 16) {
+      for (int c = 0; c < C; ++c) acc[g][c] = vf{};
+    for (int64_t c0 = 0; c0 < n_ctx; c0 += kLanes) {
       prefetch_next();
       prefetch_own(vh, c0);
-      const int n = static_cast<int>(std::min<int64_t>(16, n_ctx - c0));
+      const int n = static_cast<int>(std::min<int64_t>(kLanes, n_ctx - c0));
       for (int i = 0; i < n; ++i) {
         const KV* v = vh + slots[c0 + i];
-        v16 vv[C];
-        for (int c = 0; c < C; ++c) vv[c] = load(v + 16 * c);
+        vf vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = load(v + kLanes * c);
         for (int g = 0; g < G; ++g) {
           const float p = scores[g * stride + c0 + i];
           for (int c = 0; c < C; ++c) acc[g][c] += p * vv[c];
@@ -270,12 +263,12 @@ void attend(const KV* q, const KV* kc, const KV* vc, const int64_t* table, int64
       KV* o = out + (h * G + g) * D;
       const float r = 1.f / l[g];
       for (int c = 0; c < C; ++c) {
-        const v16 y = acc[g][c] * r;
+        const vf y = acc[g][c] * r;
         if constexpr (std::is_same_v<KV, float>) {
-          store(o + 16 * c, y);
+          vstore(o + kLanes * c, y);
         } else {  // rounded to nearest even, as torch's .to(bfloat16)
-          auto* bits = reinterpret_cast<stoker::bf16*>(o + 16 * c);
-          for (int i = 0; i < 16; ++i) bits[i] = stoker::from_f<stoker::bf16>(y[i]);
+          auto* bits = reinterpret_cast<stoker::bf16*>(o + kLanes * c);
+          for (int i = 0; i < kLanes; ++i) bits[i] = stoker::from_f<stoker::bf16>(y[i]);
         }
       }
     }

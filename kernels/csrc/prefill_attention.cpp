@@ -5,13 +5,13 @@
 //
 // Why: torch's SDPA (its CPU flash kernel) ran a 128-160 token prompt's attention at 40-50
 // GFLOP/s here, a third of what the box's FMA units do, and once per request and layer from
-// Python. Here a work item is (chunk, kv head, up to 32 query rows): its keys are gathered once,
+// Python. Here a work item is (chunk, kv head, up to 64 query rows): its keys are gathered once,
 // transposed, into a float32 buffer that stays in L2, and the G query heads of the kv head times
 // the rows form query vectors that run through two register tiles, GEMM-style: Q K^T as 6 query
-// vectors x 32 keys (12 accumulators, one broadcast per vector and one load per 16 keys per
-// step down head_dim), then an exact softmax per vector over its causal range, then P V as 6
-// vectors x 64 output columns (24 accumulators). Items are dealt to threads in contiguous runs
-// of equal estimated cost (causal rows cost in proportion to their position).
+// vectors x two vectors of keys (12 accumulators, one broadcast per query vector and two key
+// loads per step down head_dim), then an exact softmax per vector over its causal range, then
+// P V as 6 vectors x 4 (AVX-512) or 2 (AVX2) output vectors. Items are dealt to threads in
+// contiguous runs of equal estimated cost (causal rows cost in proportion to their position).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -28,19 +28,19 @@
 
 namespace {
 
-using stoker::v16;
+using stoker::kLanes;
+using stoker::vf;
 using stoker::vexp;
+using stoker::vload;
+using stoker::vsplat;
+using stoker::vstore;
 
-constexpr int kTileVectors = 6;   // query vectors per register tile
+// Register tiles sized to the ISA's vector registers (32 with AVX-512, 16 with AVX2): Q K^T keeps
+// 2 * kTileVectors accumulators, P V kTileVectors * kPvVectors, plus the loads in flight.
+constexpr int kTileVectors = 6;  // query vectors per register tile
+constexpr int kPvVectors = kLanes == 16 ? 4 : 2;  // output vectors per P V column group
+constexpr int kKeyBlock = 2 * kLanes;  // keys per Q K^T tile column block
 constexpr int64_t kItemRows = 64;  // query rows per work item
-
-inline v16 load(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-inline void store(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
-inline v16 splat(float x) { return v16{} + x; }
 
 inline float widen(float x) { return x; }
 inline float widen(at::BFloat16 x) { return stoker::to_f(x.x); }
@@ -51,48 +51,49 @@ struct Item {
   int64_t span, head, r0, r1;  // rows [r0, r1) of chunk `span`, local to the chunk
 };
 
-// Scores of R query vectors q[R][D] against keys [0, 32 * blocks) of kt ([D][ld], transposed).
+// Scores of R query vectors q[R][D] against keys [0, kKeyBlock * blocks) of kt ([D][ld],
+// transposed).
 template <int R, int D>
 inline void qk_tile(const float* q, const float* kt, int64_t ld, int64_t blocks, float* s,
                     int64_t lds) {
   for (int64_t b = 0; b < blocks; ++b) {
-    v16 a0[R], a1[R];
-    for (int i = 0; i < R; ++i) a0[i] = v16{}, a1[i] = v16{};
-    const float* k = kt + 32 * b;
+    vf a0[R], a1[R];
+    for (int i = 0; i < R; ++i) a0[i] = vf{}, a1[i] = vf{};
+    const float* k = kt + kKeyBlock * b;
     for (int d = 0; d < D; ++d) {
-      const v16 k0 = load(k + d * ld), k1 = load(k + d * ld + 16);
+      const vf k0 = vload(k + d * ld), k1 = vload(k + d * ld + kLanes);
       for (int i = 0; i < R; ++i) {
-        const v16 x = splat(q[i * D + d]);
+        const vf x = vsplat(q[i * D + d]);
         a0[i] += x * k0;
         a1[i] += x * k1;
       }
     }
     for (int i = 0; i < R; ++i) {
-      store(s + i * lds + 32 * b, a0[i]);
-      store(s + i * lds + 32 * b + 16, a1[i]);
+      vstore(s + i * lds + kKeyBlock * b, a0[i]);
+      vstore(s + i * lds + kKeyBlock * b + kLanes, a1[i]);
     }
   }
 }
 
-// out[R][D] (float32) = p[R][0..n) @ v[n][D], in column groups of up to 64.
+// out[R][D] (float32) = p[R][0..n) @ v[n][D], in column groups of kPvVectors vectors.
 template <int R, int D>
 inline void pv_tile(const float* p, int64_t ldp, const float* v, int64_t n, float* out) {
-  constexpr int C = D / 16;
-  constexpr int W = C < 4 ? C : 4;  // vectors per column group
+  constexpr int C = D / kLanes;
+  constexpr int W = C < kPvVectors ? C : kPvVectors;  // vectors per column group
   for (int c0 = 0; c0 < C; c0 += W) {
-    v16 acc[R][W];
+    vf acc[R][W];
     for (int i = 0; i < R; ++i)
-      for (int c = 0; c < W; ++c) acc[i][c] = v16{};
+      for (int c = 0; c < W; ++c) acc[i][c] = vf{};
     for (int64_t j = 0; j < n; ++j) {
-      v16 vv[W];
-      for (int c = 0; c < W; ++c) vv[c] = load(v + j * D + 16 * (c0 + c));
+      vf vv[W];
+      for (int c = 0; c < W; ++c) vv[c] = vload(v + j * D + kLanes * (c0 + c));
       for (int i = 0; i < R; ++i) {
-        const v16 x = splat(p[i * ldp + j]);
+        const vf x = vsplat(p[i * ldp + j]);
         for (int c = 0; c < W; ++c) acc[i][c] += x * vv[c];
       }
     }
     for (int i = 0; i < R; ++i)
-      for (int c = 0; c < W; ++c) store(out + i * D + 16 * (c0 + c), acc[i][c]);
+      for (int c = 0; c < W; ++c) vstore(out + i * D + kLanes * (c0 + c), acc[i][c]);
   }
 }
 
@@ -152,7 +153,8 @@ void run_item(const Item& it, const T* q, const T* kc, const T* vc, const int64_
   float* qb = q_buf.data();
   float* s = s_buf.data();
   float* ob = o_buf.data();
-  // Gather this head's keys (transposed, zero-padded to whole 32-key blocks) and values.
+  // Gather this head's keys (transposed, zero-padded to a multiple of 32, whole key blocks) and
+  // values.
   for (int64_t t = 0; t < n_keys; ++t) {
     const int64_t pos = klo + t;
     const int64_t slot = (table[pos / sh.BS] * sh.BS + pos % sh.BS) * sh.row + it.head * D;
@@ -175,7 +177,7 @@ void run_item(const Item& it, const T* q, const T* kc, const T* vc, const int64_
     const int nv = static_cast<int>(std::min<int64_t>(kTileVectors, nvec - v0));
     const int64_t last_row = it.r0 + (v0 + nv - 1) / G;
     const int64_t tile_keys = hi_of(last_row) - klo;  // keys [0, tile_keys) of the buffer
-    qk_rows<D>(nv, qb + v0 * D, kt, ld, (tile_keys + 31) / 32, s, ld);
+    qk_rows<D>(nv, qb + v0 * D, kt, ld, (tile_keys + kKeyBlock - 1) / kKeyBlock, s, ld);
     for (int i = 0; i < nv; ++i) {
       const int64_t r = it.r0 + (v0 + i) / G;
       const int64_t a = lo_of(r) - klo, b = hi_of(r) - klo;  // this vector's visible keys
@@ -185,16 +187,16 @@ void run_item(const Item& it, const T* q, const T* kc, const T* vc, const int64_
       float m = neg_inf;
       for (int64_t j = a; j < b; ++j) m = std::max(m, si[j]);
       for (int64_t j = 0; j < a; ++j) si[j] = 0.f;
-      v16 sum = {};
+      vf sum = {};
       int64_t j = a;
-      for (; j + 16 <= b; j += 16) {
-        const v16 e = vexp(load(si + j) - m);
+      for (; j + kLanes <= b; j += kLanes) {
+        const vf e = vexp(vload(si + j) - m);
         sum += e;
-        store(si + j, e);
+        vstore(si + j, e);
       }
       float tail = 0.f;
       for (; j < b; ++j) {
-        v16 x = splat(neg_inf);
+        vf x = vsplat(neg_inf);
         x[0] = si[j] - m;
         const float e = vexp(x)[0];
         tail += e;
@@ -202,7 +204,7 @@ void run_item(const Item& it, const T* q, const T* kc, const T* vc, const int64_
       }
       for (int64_t k = b; k < tile_keys; ++k) si[k] = 0.f;
       float total = tail;
-      for (int l = 0; l < 16; ++l) total += sum[l];
+      for (int l = 0; l < kLanes; ++l) total += sum[l];
       inv[i] = 1.f / total;
     }
     pv_rows<D>(nv, s, ld, vb, tile_keys, ob);

@@ -12,7 +12,8 @@
 
 #include "vec_exp.h"
 
-using stoker::v16;
+using stoker::kLanes;
+using stoker::vf;
 
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.scalar_type() == torch::kFloat32 && gate_up.dim() == 2 &&
@@ -30,12 +31,9 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
       const float* u = g + I;
       float* o = y + t * I;
       int64_t i = 0;
-      for (; i + 16 <= I; i += 16) {
-        v16 gv, uv;
-        std::memcpy(&gv, g + i, sizeof(gv));
-        std::memcpy(&uv, u + i, sizeof(uv));
-        const v16 r = gv / (1.f + stoker::vexp(-gv)) * uv;
-        std::memcpy(o + i, &r, sizeof(r));
+      for (; i + kLanes <= I; i += kLanes) {
+        const vf gv = stoker::vload(g + i), uv = stoker::vload(u + i);
+        stoker::vstore(o + i, gv / (1.f + stoker::vexp(-gv)) * uv);
       }
       for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
     }
