@@ -3,8 +3,9 @@
 // / 2^23, so u lies in [2^-24, 1 - 2^-24] and the noise is finite and positive. A row's noise is
 // a function of its key alone: the same for one row or many, any thread count, any chunking.
 // torch.rand + log on the CPU draws one uniform at a time (about 9 ms of a sampled 32-row
-// decode step at 49,152 tokens of vocabulary); this hashes 8 counters per instruction and takes
-// the log in 16 lanes. services/worker/sampling_noise.py keeps a torch version of the same bits.
+// decode step at 49,152 tokens of vocabulary); this hashes a vector of counters per instruction
+// and takes the log in vectors of the ISA's width (vec_exp.h). services/worker/sampling_noise.py
+// keeps a torch version of the same bits.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -12,36 +13,39 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vec_exp.h"
+
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-typedef uint64_t u8x64 __attribute__((vector_size(64)));
-typedef uint32_t u16x32 __attribute__((vector_size(64)));
+using stoker::kLanes;
+using stoker::vf;
+using stoker::vi;
+constexpr int kHalf = kLanes / 2;  // 64-bit lanes in one vector register
+typedef uint64_t vu64 __attribute__((vector_size(4 * kLanes)));
 
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
 
-template <typename U>  // uint64_t, or 8 of them in a vector
+template <typename U>  // uint64_t, or a vector of them
 inline U mix64(U z) {  // splitmix64's output function
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   return z ^ (z >> 31);
 }
 
-// log(x) for x in (0, 1], 16 lanes (Cephes logf: x = m * 2^e with m in [sqrt(1/2), sqrt(2)),
+// log(x) for x in (0, 1], one vector (Cephes logf: x = m * 2^e with m in [sqrt(1/2), sqrt(2)),
 // a degree-8 polynomial in m - 1; ~1 ulp).
-inline v16 vlog(v16 x) {
-  i16 bits;
+inline vf vlog(vf x) {
+  vi bits;
   std::memcpy(&bits, &x, sizeof(bits));
-  i16 e = ((bits >> 23) & 0xff) - 126;
-  const i16 mbits = (bits & 0x007fffff) | 0x3f000000;  // mantissa in [0.5, 1)
-  v16 m;
+  vi e = ((bits >> 23) & 0xff) - 126;
+  const vi mbits = (bits & 0x007fffff) | 0x3f000000;  // mantissa in [0.5, 1)
+  vf m;
   std::memcpy(&m, &mbits, sizeof(m));
-  const i16 small = m < 0.70710678118654752440f;  // -1 where true
+  const vi small = m < 0.70710678118654752440f;  // -1 where true
   e += small;
   m = (small ? m + m : m) - 1.f;
-  const v16 z = m * m;
-  v16 y = m * 7.0376836292e-2f - 1.1514610310e-1f;
+  const vf z = m * m;
+  vf y = m * 7.0376836292e-2f - 1.1514610310e-1f;
   y = y * m + 1.1676998740e-1f;
   y = y * m - 1.2420140846e-1f;
   y = y * m + 1.4249322787e-1f;
@@ -50,25 +54,24 @@ inline v16 vlog(v16 x) {
   y = y * m - 2.4999993993e-1f;
   y = y * m + 3.3333331174e-1f;
   y = y * m * z;
-  const v16 ef = __builtin_convertvector(e, v16);
+  const vf ef = __builtin_convertvector(e, vf);
   y += ef * -2.12194440e-4f;
   y += z * -0.5f;
   return m + y + ef * 0.693359375f;
 }
 
-// Sixteen noises from counters c0 + 1 .. c0 + 16 of a row whose mixed key is `state`.
-inline v16 noise16(uint64_t state, int64_t c0) {
-  const u8x64 lanes = {1, 2, 3, 4, 5, 6, 7, 8};
-  const u8x64 base = state + (static_cast<uint64_t>(c0) + lanes) * kGolden;
-  const u8x64 a = mix64(base), b = mix64(base + 8 * kGolden);
+// kLanes noises from counters c0 + 1 .. c0 + kLanes of a row whose mixed key is `state`.
+inline vf noise(uint64_t state, int64_t c0) {
+  vu64 lanes;
+  for (int i = 0; i < kHalf; ++i) lanes[i] = i + 1;
+  const vu64 base = state + (static_cast<uint64_t>(c0) + lanes) * kGolden;
+  const vu64 a = mix64(base), b = mix64(base + kHalf * kGolden);
   // The top 23 bits of each hash as an odd 24-bit integer 2j + 1, exact in float32.
-  const u8x64 ja = ((a >> 41) << 1) | 1, jb = ((b >> 41) << 1) | 1;
-  u16x32 lo;
-  for (int i = 0; i < 8; ++i)
-    lo[i] = static_cast<uint32_t>(ja[i]), lo[8 + i] = static_cast<uint32_t>(jb[i]);
-  i16 j;
-  std::memcpy(&j, &lo, 64);
-  const v16 u = __builtin_convertvector(j, v16) * 0x1p-24f;
+  const vu64 ja = ((a >> 41) << 1) | 1, jb = ((b >> 41) << 1) | 1;
+  vi j;
+  for (int i = 0; i < kHalf; ++i)
+    j[i] = static_cast<int32_t>(ja[i]), j[kHalf + i] = static_cast<int32_t>(jb[i]);
+  const vf u = __builtin_convertvector(j, vf) * 0x1p-24f;
   return -vlog(u);
 }
 
@@ -91,12 +94,12 @@ torch::Tensor exponential_noise_rows(torch::Tensor keys, int64_t vocab) {
       const uint64_t state = mix64(static_cast<uint64_t>(k[r]));
       float* row = o + r * vocab;
       int64_t c = c_begin;
-      for (; c + 16 <= c_end; c += 16) {
-        const v16 y = noise16(state, c);
+      for (; c + kLanes <= c_end; c += kLanes) {
+        const vf y = noise(state, c);
         std::memcpy(row + c, &y, sizeof(y));
       }
       if (c < c_end) {
-        const v16 y = noise16(state, c);
+        const vf y = noise(state, c);
         std::memcpy(row + c, &y, sizeof(float) * (c_end - c));
       }
     }
