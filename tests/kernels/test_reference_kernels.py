@@ -17,17 +17,7 @@ from kernels.paged_attention import (
 )
 from kernels.rms_norm import add_rms_norm, rms_norm
 from kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
-
-
-def _paged_setup(num_seqs, hq, hk, d, block_size, lens, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    max_blocks = max(-(-n // block_size) for n in lens)
-    num_blocks = num_seqs * max_blocks + 3
-    kc = torch.randn(num_blocks, block_size, hk, d, generator=gen)
-    vc = torch.randn(num_blocks, block_size, hk, d, generator=gen)
-    perm = torch.randperm(num_blocks, generator=gen)  # scattered, non-contiguous blocks
-    tables = perm[: num_seqs * max_blocks].view(num_seqs, max_blocks)
-    return kc, vc, tables
+from tests.kernels.paged_cache import random_paged_cache
 
 
 def _naive(q, kc, vc, table, positions, context_len, scale):
@@ -49,7 +39,7 @@ def _naive(q, kc, vc, table, positions, context_len, scale):
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_decode_reference_matches_naive(hq, hk, block_size):
     lens = [1, 7, block_size, 3 * block_size + 5]
-    kc, vc, tables = _paged_setup(len(lens), hq, hk, 32, block_size, lens)
+    kc, vc, tables = random_paged_cache(len(lens), hk, 32, block_size, lens)
     q = torch.randn(len(lens), hq, 32)
     got = paged_decode_attention(q, kc, vc, tables, torch.tensor(lens), 0.2)
     for i, n in enumerate(lens):
@@ -60,7 +50,7 @@ def test_decode_reference_matches_naive(hq, hk, block_size):
 @pytest.mark.parametrize("prefix, chunk", [(0, 9), (16, 9), (21, 3), (40, 17)])
 def test_prefill_over_cached_prefix_matches_naive(prefix, chunk):
     context = prefix + chunk
-    kc, vc, tables = _paged_setup(1, 8, 2, 32, 16, [context], seed=1)
+    kc, vc, tables = random_paged_cache(1, 2, 32, 16, [context], seed=1)
     q = torch.randn(chunk, 8, 32)
     got = paged_prefill_attention(q, kc, vc, tables[0], context, 0.3)
     want = _naive(q, kc, vc, tables[0], list(range(prefix, context)), context, 0.3)
@@ -68,7 +58,7 @@ def test_prefill_over_cached_prefix_matches_naive(prefix, chunk):
 
 
 def test_causal_attention_equals_paged_prefill_from_zero():
-    kc, vc, tables = _paged_setup(1, 4, 2, 16, 8, [20], seed=2)
+    kc, vc, tables = random_paged_cache(1, 2, 16, 8, [20], seed=2)
     slots = torch.tensor([tables[0, t // 8] * 8 + t % 8 for t in range(20)])
     k, v, q = torch.randn(20, 2, 16), torch.randn(20, 2, 16), torch.randn(20, 4, 16)
     store_kv(kc, vc, k, v, slots)
@@ -139,7 +129,7 @@ def test_native_store_kv_equals_the_reference(dtype):
 def test_native_decode_matches_reference(hq, hk, d, block_size, lens):
     # Context lengths around the kernel's 16-token chunks and the block boundaries; few requests
     # take the kernel's one-task-per-kv-head split, many its one-task-per-request path.
-    kc, vc, tables = _paged_setup(len(lens), hq, hk, d, block_size, lens, seed=3)
+    kc, vc, tables = random_paged_cache(len(lens), hk, d, block_size, lens, seed=3)
     q = torch.randn(len(lens), hq, d) * 3  # peaky softmax: the online max rescaling matters
     args = (q, kc, vc, tables, torch.tensor(lens), d**-0.5)
     native = cpu_ops.paged_decode_attention(*args)
@@ -154,7 +144,7 @@ def test_native_decode_reads_a_bfloat16_cache(hq, hk, d, block_size):
     # vdpbf16ps's exact products on AVX512-BF16 CPUs), so it must equal float32 attention over
     # the same bfloat16-rounded values, up to the output's one rounding and the order of sums.
     lens = [1, 17, 40, 100, 257]
-    kc, vc, tables = _paged_setup(len(lens), hq, hk, d, block_size, lens, seed=5)
+    kc, vc, tables = random_paged_cache(len(lens), hk, d, block_size, lens, seed=5)
     q = (torch.randn(len(lens), hq, d) * 3).bfloat16()
     kc, vc = kc.bfloat16(), vc.bfloat16()
     args = (tables, torch.tensor(lens), d**-0.5)
@@ -171,7 +161,7 @@ def test_native_decode_reads_a_bfloat16_cache(hq, hk, d, block_size):
 @pytest.mark.parametrize("hq, hk, d", [(12, 1, 64), (4, 4, 48)])
 def test_native_decode_declines_shapes_without_a_kernel(hq, hk, d):
     """Groups over 8 and head dims that are not a multiple of 16 fall back to the reference."""
-    kc, vc, tables = _paged_setup(2, hq, hk, d, 16, [3, 20], seed=1)
+    kc, vc, tables = random_paged_cache(2, hk, d, 16, [3, 20], seed=1)
     args = (torch.randn(2, hq, d), kc, vc, tables, torch.tensor([3, 20]), d**-0.5)
     assert cpu_ops.paged_decode_attention(*args) is None
 
@@ -298,7 +288,7 @@ def test_native_bfloat16_rotary_is_bitwise_the_reference():
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
 def test_native_decode_rejects_bad_tables_instead_of_reading_stray_memory():
-    kc, vc, tables = _paged_setup(2, 4, 2, 16, 16, [20, 5], seed=2)
+    kc, vc, tables = random_paged_cache(2, 2, 16, 16, [20, 5], seed=2)
     q = torch.randn(2, 4, 16)
     bad = tables.clone()
     bad[0, 1] = kc.shape[0]  # a block id past the pool, inside the first request's context
@@ -311,7 +301,7 @@ def test_native_decode_rejects_bad_tables_instead_of_reading_stray_memory():
 def _prefill_case(spans, hq, hk, d, block_size, dtype=torch.float32, seed=6):
     """Chunks (cached prefix, chunk length) laid out as one call of the native prefill kernel."""
     lens = [prefix + n for prefix, n in spans]
-    kc, vc, tables = _paged_setup(len(spans), hq, hk, d, block_size, lens, seed=seed)
+    kc, vc, tables = random_paged_cache(len(spans), hk, d, block_size, lens, seed=seed)
     q = torch.randn(sum(n for _, n in spans), hq, d, generator=torch.Generator().manual_seed(seed))
     bounds = torch.tensor([0] + [int(x) for x in torch.tensor([n for _, n in spans]).cumsum(0)])
     return (q * 3).to(dtype), kc.to(dtype), vc.to(dtype), tables, bounds, torch.tensor(lens)

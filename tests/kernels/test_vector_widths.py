@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from kernels import paged_attention as ref
 from services.worker.sampling_noise import _noise_torch
+from tests.kernels.paged_cache import random_paged_cache
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +29,7 @@ SOURCES = (
     "silu_mul.cpp",
     "sampling_noise.cpp",
 )
+
 BINDINGS = """
 #include "kernels.h"
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -78,16 +80,6 @@ def module(request, tmp_path_factory):
     )
 
 
-def _paged(num_seqs, hk, d, block_size, lens, seed):
-    gen = torch.Generator().manual_seed(seed)
-    max_blocks = max(-(-n // block_size) for n in lens)
-    num_blocks = num_seqs * max_blocks + 2
-    kc = torch.randn(num_blocks, block_size, hk, d, generator=gen)
-    vc = torch.randn(num_blocks, block_size, hk, d, generator=gen)
-    tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks]
-    return kc, vc, tables.view(num_seqs, max_blocks)
-
-
 # (query heads, kv heads, head_dim): head dims of one, two and eight 8-float vectors, groups 1-4.
 SHAPES = [(12, 4, 64), (4, 4, 16), (8, 2, 128), (9, 3, 32)]
 # Context lengths that end inside a vector, at its edge and past several (1 to 70).
@@ -97,7 +89,7 @@ LENS = [1, 7, 8, 9, 16, 17, 33, 70]
 @pytest.mark.parametrize("hq, hk, d", SHAPES)
 @pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 30.0)])
 def test_decode_attention(module, hq, hk, d, window, softcap):
-    kc, vc, tables = _paged(len(LENS), hk, d, 16, LENS, seed=d)
+    kc, vc, tables = random_paged_cache(len(LENS), hk, d, 16, LENS, seed=d)
     q = torch.randn(len(LENS), hq, d) * 3
     lens = torch.tensor(LENS)
     got = module.paged_decode_attention(
@@ -111,7 +103,7 @@ def test_decode_attention(module, hq, hk, d, window, softcap):
 def test_prefill_attention(module, hq, hk, d):
     spans = [(0, 1), (0, 9), (5, 33), (40, 70), (0, 130)]  # (cached prefix, chunk length)
     lens = [p + n for p, n in spans]
-    kc, vc, tables = _paged(len(spans), hk, d, 16, lens, seed=d + 1)
+    kc, vc, tables = random_paged_cache(len(spans), hk, d, 16, lens, seed=d + 1)
     q = torch.randn(sum(n for _, n in spans), hq, d) * 3
     bounds = torch.tensor([0, *torch.tensor([n for _, n in spans]).cumsum(0).tolist()])
     scale = d**-0.5

@@ -15,20 +15,11 @@ from kernels.paged_attention import (
     paged_prefill_attention,
     store_kv,
 )
+from tests.kernels.paged_cache import random_paged_cache
 
 # (window, softcap): window only, softcap only, both; a window wider than every context.
 SETTINGS = [(8, None), (None, 5.0), (13, 2.0), (1000, None)]
 native = pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels not built here")
-
-
-def _paged_setup(num_seqs, hq, hk, d, block_size, lens, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    max_blocks = max(-(-n // block_size) for n in lens)
-    num_blocks = num_seqs * max_blocks + 3
-    kc = torch.randn(num_blocks, block_size, hk, d, generator=gen)
-    vc = torch.randn(num_blocks, block_size, hk, d, generator=gen)
-    tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks]
-    return kc, vc, tables.view(num_seqs, max_blocks)
 
 
 def _naive(q, kc, vc, table, positions, scale, window, softcap):
@@ -52,7 +43,7 @@ def _naive(q, kc, vc, table, positions, scale, window, softcap):
 @pytest.mark.parametrize("window, softcap", SETTINGS)
 def test_decode_reference_matches_naive(window, softcap):
     lens = [1, 7, 8, 9, 30, 53]
-    kc, vc, tables = _paged_setup(len(lens), 8, 2, 32, 8, lens)
+    kc, vc, tables = random_paged_cache(len(lens), 2, 32, 8, lens)
     q = torch.randn(len(lens), 8, 32) * 2
     got = paged_decode_attention(q, kc, vc, tables, torch.tensor(lens), 0.2, window, softcap)
     for i, n in enumerate(lens):
@@ -64,7 +55,7 @@ def test_decode_reference_matches_naive(window, softcap):
 @pytest.mark.parametrize("prefix, chunk", [(0, 20), (16, 9), (21, 3), (40, 17)])
 def test_prefill_reference_matches_naive(window, softcap, prefix, chunk):
     context = prefix + chunk
-    kc, vc, tables = _paged_setup(1, 8, 2, 32, 16, [context], seed=1)
+    kc, vc, tables = random_paged_cache(1, 2, 32, 16, [context], seed=1)
     q = torch.randn(chunk, 8, 32) * 2
     got = paged_prefill_attention(q, kc, vc, tables[0], context, 0.3, window, softcap)
     positions = list(range(prefix, context))
@@ -74,7 +65,7 @@ def test_prefill_reference_matches_naive(window, softcap, prefix, chunk):
 
 @pytest.mark.parametrize("window, softcap", SETTINGS)
 def test_causal_attention_equals_paged_prefill_from_zero(window, softcap):
-    kc, vc, tables = _paged_setup(1, 4, 2, 16, 8, [20], seed=2)
+    kc, vc, tables = random_paged_cache(1, 2, 16, 8, [20], seed=2)
     slots = torch.tensor([tables[0, t // 8] * 8 + t % 8 for t in range(20)])
     k, v, q = torch.randn(20, 2, 16), torch.randn(20, 2, 16), torch.randn(20, 4, 16)
     store_kv(kc, vc, k, v, slots)
@@ -89,7 +80,7 @@ def test_causal_attention_equals_paged_prefill_from_zero(window, softcap):
 def test_window_changes_the_result():
     """The window is not a no-op: keys outside it carried weight."""
     lens = [40]
-    kc, vc, tables = _paged_setup(1, 4, 2, 16, 8, lens, seed=4)
+    kc, vc, tables = random_paged_cache(1, 2, 16, 8, lens, seed=4)
     q = torch.randn(1, 4, 16)
     full = paged_decode_attention(q, kc, vc, tables, torch.tensor(lens), 0.25)
     windowed = paged_decode_attention(q, kc, vc, tables, torch.tensor(lens), 0.25, 8)
@@ -102,7 +93,7 @@ def test_window_changes_the_result():
 def test_native_decode_matches_reference(window, softcap, hq, hk, d, block_size):
     # Windows around the kernel's 16-token chunks and the block boundaries.
     lens = [1, 5, 15, 16, 17, 33, 100, 257]
-    kc, vc, tables = _paged_setup(len(lens), hq, hk, d, block_size, lens, seed=3)
+    kc, vc, tables = random_paged_cache(len(lens), hk, d, block_size, lens, seed=3)
     q = torch.randn(len(lens), hq, d) * 3
     args = (q, kc, vc, tables, torch.tensor(lens), d**-0.5, window, softcap)
     got = cpu_ops.paged_decode_attention(*args)
@@ -118,7 +109,7 @@ def test_native_prefill_matches_reference(window, softcap, hq, hk, d):
     # work item's rows, so an item's first rows see keys its last rows no longer do.
     spans = [(0, 70), (40, 30), (200, 7), (0, 1)]  # (cached prefix, chunk length)
     lens = [p + n for p, n in spans]
-    kc, vc, tables = _paged_setup(len(spans), hq, hk, d, 16, lens, seed=4)
+    kc, vc, tables = random_paged_cache(len(spans), hk, d, 16, lens, seed=4)
     q = torch.randn(sum(n for _, n in spans), hq, d) * 3
     bounds = torch.tensor([0] + list(itertools.accumulate(n for _, n in spans)))
     got = cpu_ops.prefill_attention(
