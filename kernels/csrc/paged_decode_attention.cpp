@@ -27,6 +27,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "balanced_runs.h"
 #include "bf16_bits.h"
 #include "vec_exp.h"
 #if defined(__AVX512BF16__)
@@ -315,26 +316,16 @@ void run(AttendFn<KV> fn, const KV* q, const KV* kc, const KV* vc, const int64_t
   const int64_t threads = at::get_num_threads();
   const int64_t nh = B >= 4 * threads ? Hk : 1;
   const int64_t groups = Hk / nh;
-  // Each thread takes a contiguous run of tasks of about equal cost (a task's time goes with the
-  // context it walks): an even split by count left a thread waiting at the end of every layer
-  // while the other finished the longer requests.
-  const int64_t tasks = B * groups;
-  const int64_t nt = std::max<int64_t>(1, std::min(threads, tasks));
-  auto cost = [&](int64_t idx) {
+  // Threads take contiguous runs of tasks of about equal cost: a task's time goes with the
+  // context it walks.
+  std::vector<double> cost(B * groups);
+  for (int64_t idx = 0; idx < B * groups; ++idx) {
     const int64_t L = lens[idx / groups];
-    return L - first_token(L, window) + 16;  // + a fixed share for the task's set-up
-  };
-  std::vector<int64_t> starts(nt + 1, tasks);
-  starts[0] = 0;
-  {
-    int64_t total = 0, acc = 0, t = 1;
-    for (int64_t i = 0; i < tasks; ++i) total += cost(i);
-    for (int64_t i = 0; i < tasks && t < nt; ++i) {
-      acc += cost(i);
-      while (t < nt && acc * nt >= total * t) starts[t++] = i + 1;
-    }
+    cost[idx] = static_cast<double>(L - first_token(L, window) + 16);  // + the task's set-up
   }
-  at::parallel_for(0, nt, 1, [&](int64_t first_run, int64_t last_run) {
+  const std::vector<int64_t> starts = stoker::balanced_runs(cost);
+  at::parallel_for(0, static_cast<int64_t>(starts.size()) - 1, 1, [&](int64_t first_run,
+                                                                        int64_t last_run) {
     const int64_t begin = starts[first_run], end = starts[last_run];
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / groups, h = (idx % groups) * nh;

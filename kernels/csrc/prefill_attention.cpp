@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "balanced_runs.h"
 #include "bf16_bits.h"
 #include "vec_exp.h"
 
@@ -232,19 +233,8 @@ void run(const T* q, const T* kc, const T* vc, const int64_t* tables, const int6
         cost.push_back((r1 - r0) * (seen + 64.0));  // + a fixed share for the gather and tiles
       }
   }
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
-  std::vector<int64_t> starts(nt + 1, static_cast<int64_t>(items.size()));
-  {
-    double total = 0.0;
-    for (double c : cost) total += c;
-    double acc = 0.0;
-    int64_t t = 1;
-    starts[0] = 0;
-    for (int64_t i = 0; i < static_cast<int64_t>(items.size()) && t < nt; ++i) {
-      acc += cost[i];
-      while (t < nt && acc >= total * t / nt) starts[t++] = i + 1;
-    }
-  }
+  const std::vector<int64_t> starts = stoker::balanced_runs(cost);
+  const int64_t nt = static_cast<int64_t>(starts.size()) - 1;
   at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t i = starts[t]; i < starts[t + 1]; ++i) {
