@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import faulthandler
 import sys
+import threading
+
+import zmq
 
 STOP_DEADLINE_S = 10.0  # under compose's default stop grace (10 s before SIGKILL) plus slack
 
@@ -21,3 +24,15 @@ def exit_on_sigterm(*_: object) -> None:
     """A plain SIGTERM handler: exit now (unwinding `finally` blocks), within the deadline."""
     stop_within()
     sys.exit(0)
+
+
+def destroy_context_within(ctx: zmq.Context, linger_ms: int, seconds: float) -> bool:
+    """`ctx.destroy(linger=linger_ms)`, waiting at most `seconds` for it; False if it did not
+    finish. zmq_ctx_term has been seen to hang on a pipe to a peer that is stopped (a frozen
+    worker, SIGSTOP in tests/reliability/test_faults.py) despite the linger, so a process that
+    must exit with a meaningful code does not wait on it: the term is left to a daemon thread
+    and the caller ends the process with os._exit."""
+    term = threading.Thread(target=ctx.destroy, kwargs={"linger": linger_ms}, daemon=True)
+    term.start()
+    term.join(seconds)
+    return not term.is_alive()

@@ -13,8 +13,8 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
 import signal
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -47,7 +47,7 @@ from common.messages import (
 )
 from common.model_config import ModelConfig
 from common.profiling import Profiler, span
-from common.shutdown import exit_on_sigterm, stop_within
+from common.shutdown import destroy_context_within, exit_on_sigterm, stop_within
 from common.telemetry import BusyTracker, IdleGapAccounting, StepTelemetry
 from common.validation import check_request
 from services.engine_args import add_engine_args, engine_config_from_args
@@ -219,9 +219,10 @@ class SchedulerService:
             replies[owner.routing_id].append(
                 RequestTokens(req_id, b"", finish_reason="abort", error=message, error_status=503)
             )
+        num_failed = len(self.owners)
         self.owners = {}
         self._send_batches(replies)
-        log.error("engine failure: %s (%d requests failed)", message, len(replies))
+        log.error("engine failure: %s (%d requests failed)", message, num_failed)
 
     # -- inbound ----------------------------------------------------------------------------------
 
@@ -607,10 +608,15 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.run(_serve(service))
     except EngineStalled as e:
         # Exit so a supervisor (stoker serve, compose) acts; a restarted scheduler handshakes
-        # with the worker afresh.
-        service.ctx.destroy(linger=1000)  # let the failures reach the api and tokenizers
+        # with the worker afresh. The linger lets the failures reach the api and tokenizers;
+        # the context's term is bounded (it can hang on the stalled worker's pipe), and
+        # os._exit keeps the exit code whatever is left.
         log.error("%s: exiting", e)
-        sys.exit(EXIT_STALLED)
+        service.profiler.stop()
+        if not destroy_context_within(service.ctx, linger_ms=1000, seconds=3.0):
+            log.warning("the ZMQ context did not close within 3 s; exiting regardless")
+        logging.shutdown()
+        os._exit(EXIT_STALLED)
     finally:
         service.profiler.stop()  # a trace in progress is still written on SIGTERM
         # A bounded linger: the default (forever) makes exit hang on messages queued for an

@@ -17,7 +17,10 @@ import pytest
 
 from tests.reliability.serve import Served, stream_events
 
-STREAM = {"prompt": [5, 6, 7], "max_tokens": 40, "ignore_eos": True}
+# Long enough that no stream can finish between its first event and the fault: with 40 tokens
+# the six streams ended about 0.13 s after their first events, and under a full suite's load
+# they once ended before the worker was frozen (no step in flight, so no step timeout).
+STREAM = {"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True}
 NUM_STREAMS = 6
 
 
