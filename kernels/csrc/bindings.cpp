@@ -12,9 +12,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("apply_rotary", &apply_rotary, "rotary embedding of q and k (fp32/bf16)");
   m.def("panel_linear_supported", &panel_linear_supported,
         "whether panel_linear was built (AVX2 or AVX-512)");
-  m.def("pack_panels", &pack_panels, "a float32 [N, K] weight as [N / 16, K, 16] panels");
+  m.def("pack_panels", &pack_panels,
+        "a float32 or bfloat16 [N, K] weight as [N / 16, K, 16] panels");
   m.def("panel_linear", &panel_linear,
-        "x @ W^T (+ bias) against panel-packed W (fp32, AVX2 or AVX-512)");
+        "x @ W^T (+ bias) against panel-packed W (fp32 or bf16, AVX2 or AVX-512)");
   m.def("exponential_noise_rows", &exponential_noise_rows,
         "Exp(1) float32 noise [rows, vocab] from counter-based per-row keys");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused gate_up (fp32)");

@@ -74,7 +74,7 @@ class GreedyHead:
         self.scale = (2 * 2.0**-9 + 2.0**-18 + 2.1 * hidden * 2.0**-24) * (1 + 1e-4)
         bf16 = weight.detach().to(torch.bfloat16).contiguous()
         # Laid out as a bfloat16 model's linears are (`pack_weight`: the native pair kernel's
-        # layout, else oneDNN's, else plain where the CPU has no bfloat16 arithmetic).
+        # layout, else the panel kernel's, else oneDNN's, else plain).
         self._packed = pack_weight(bf16)
         self.rows_screened = 0  # rows answered by the screen, and rows computed in full
         self.rows_full = 0

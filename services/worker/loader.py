@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from common.gguf_file import find_gguf, iter_gguf_tensors
 from common.model_config import ModelConfig, ModelLoadError
+from kernels import cpu_ops
 from services.worker.models import model_class
 from services.worker.models.layers import CausalLM, pack_linear_weights
 from services.worker.models.llama import enable_native_layers
@@ -209,9 +210,11 @@ class _Checkpoint:
 
 
 def use_onednn(device: str, dtype: torch.dtype) -> bool:
-    """oneDNN linears on CPU in float32, and in bfloat16 where the CPU has bfloat16 arithmetic
-    (AVX512-BF16 or AMX: packed bf16 GEMMs ran 1.7-1.9x faster than packed float32 at 1-32 rows
-    on such a box; without it oneDNN emulates them). STOKER_CPU_ONEDNN=0 turns both off."""
+    """Packed linear weights on CPU (`layers.pack_weight`: a native kernel's layout or oneDNN's)
+    in float32, and in bfloat16 where a native kernel takes it (the pair kernel on AVX512-BF16,
+    else the panel kernel) or oneDNN has bfloat16 arithmetic (AVX512-BF16 or AMX: packed bf16
+    GEMMs ran 1.7-1.9x faster than packed float32 at 1-32 rows on such a box; without it oneDNN
+    emulates them). STOKER_CPU_ONEDNN=0 turns both off."""
     if (
         torch.device(device).type != "cpu"
         or not torch.backends.mkldnn.is_available()
@@ -219,5 +222,6 @@ def use_onednn(device: str, dtype: torch.dtype) -> bool:
     ):
         return False
     if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        native = cpu_ops.use_bf16_pairs() or cpu_ops.use_panel_linear()
+        return native or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return dtype == torch.float32

@@ -1,5 +1,6 @@
-"""The native panel linear kernel (float32, AVX2 or AVX-512) against float64 matmuls, its batch
-invariance, which layout `pack_weight` picks, and the huge-page arena `pack_weights` fills."""
+"""The native panel linear kernel (float32 or bfloat16 weights, AVX2 or AVX-512) against float64
+matmuls, its batch invariance, which layout `pack_weight` picks, and the huge-page arena
+`pack_weights` fills."""
 
 from __future__ import annotations
 
@@ -34,6 +35,35 @@ def test_panel_linear_matches_a_float64_matmul(rows, n, k, with_bias):
     want = x.double() @ weight.double().T + (bias.double() if with_bias else 0)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 49, 100])
+@pytest.mark.parametrize(("n", "k"), [(16, 3), (96, 64), (48, 577)])
+def test_bfloat16_panels_sum_exact_products_in_float32_and_round_once(rows, n, k):
+    """bfloat16 x and W: every product is exact in float32, so the result is the float32 sum
+    rounded to bfloat16 once; against a float64 sum, rounding may differ only at near-ties."""
+    weight, bias = (t.bfloat16() for t in _weights(n, k))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = cpu_ops.panel_linear(x, cpu_ops.pack_panels(weight), bias)
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T + bias.double()
+    torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-6)  # one rounding
+    assert (got != exact.bfloat16()).float().mean() < 0.01
+
+
+def test_bfloat16_rows_do_not_depend_on_their_batch():
+    weight, bias = (t.bfloat16() for t in _weights(64, 200))
+    panels = cpu_ops.pack_panels(weight)
+    x = torch.randn(110, 200).bfloat16()
+    full = cpu_ops.panel_linear(x, panels, bias)
+    for row in (0, 5, 6, 47, 48, 109):
+        assert torch.equal(cpu_ops.panel_linear(x[row : row + 1], panels, bias)[0], full[row])
+
+
+def test_panel_linear_refuses_mixed_dtypes():
+    panels = cpu_ops.pack_panels(torch.randn(16, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="dtype"):
+        cpu_ops.panel_linear(torch.randn(2, 8), panels)
 
 
 def test_panel_linear_takes_strided_rows_and_leading_dims():
@@ -75,7 +105,8 @@ def test_pack_weight_picks_the_layout_by_setting_and_shape(monkeypatch):
     torch.testing.assert_close(linear(x, panels, bias), want, rtol=1e-5, atol=1e-5)
     odd = pack_weight(torch.randn(20, 24))  # 20 rows: no whole panels, so oneDNN's layout
     assert odd.is_mkldnn
-    assert pack_weight(weight.bfloat16()).dim() != 3  # the panel kernel is float32 only
+    # bfloat16 takes the panels only where the AVX512-BF16 pair kernel is not built.
+    assert (pack_weight(weight.bfloat16()).dim() == 3) == (not cpu_ops.use_bf16_pairs())
     monkeypatch.setenv("STOKER_CPU_GEMM", "onednn")
     packed = pack_weight(weight)
     assert packed.is_mkldnn

@@ -217,18 +217,20 @@ def test_greedy_speculation_is_exact(
 
 
 @pytest.mark.skipif(
-    not cpu_ops.use_bf16_pairs(), reason="bfloat16 linears are batch-invariant on the pair kernel"
+    not (cpu_ops.use_bf16_pairs() or cpu_ops.use_panel_linear()),
+    reason="bfloat16 linears are batch-invariant on the pair kernel or the panel kernel",
 )
 @pytest.mark.parametrize("name, method", [("mixed", "ngram"), ("chunked", "self")])
-def test_greedy_speculation_is_exact_in_bfloat16_on_the_pair_kernel(
+def test_greedy_speculation_is_exact_in_bfloat16_on_the_native_linears(
     spec_models: Callable[[str], SpecModels], name: str, method: str
 ) -> None:
-    """On a CPU with AVX512-BF16, bfloat16 linears run on the native pair kernel, which computes
-    each output as one ordered chain whatever the row count (tests/kernels/test_bf16_pairs.py);
-    every other CPU kernel is row-wise too, so a verify row is the decode row it stands for and
-    bfloat16 greedy output under speculation is the plain run's. (With oneDNN's bfloat16 linears
-    SmolLM2's batch-1 n-gram output parted from plain greedy on 5 of 8 chat prompts:
-    docs/benchmarks.md, twenty-seventh session.)"""
+    """bfloat16 linears run on the native pair kernel (AVX512-BF16) or else on the panel kernel
+    (AVX2, AVX-512), each of which computes every output as one ordered chain whatever the row
+    count (tests/kernels/test_bf16_pairs.py, test_panel_linear.py); every other CPU kernel is
+    row-wise too, so a verify row is the decode row it stands for and bfloat16 greedy output
+    under speculation is the plain run's. (With oneDNN's bfloat16 linears SmolLM2's batch-1
+    n-gram output parted from plain greedy on 5 of 8 chat prompts: docs/benchmarks.md,
+    twenty-seventh session.)"""
     models = spec_models("llama")
     scenario = SCENARIOS[name]
     prompts = scenario.prompts(1)

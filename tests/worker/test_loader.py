@@ -51,23 +51,28 @@ def test_half_precision_matches_transformers_at_a_tolerance(folder, dtype):
     torch.testing.assert_close(got, ref[first.top_ids], rtol=0, atol=0.1)
 
 
-def test_bfloat16_linears_are_packed_where_the_cpu_has_bf16_arithmetic(folder):
+def test_bfloat16_linears_are_packed_for_a_native_kernel_or_onednn(folder):
+    """The pair kernel's layout on AVX512-BF16 CPUs, the panel kernel's on other AVX2 and
+    AVX-512 ones, oneDNN's where STOKER_CPU_GEMM=onednn and the CPU has bfloat16 arithmetic."""
     from kernels import cpu_ops
     from services.worker.models.layers import linear
 
     llm = LLM(folder, dtype="bfloat16", num_kv_blocks=16)
     model = llm.engine.runner.model
     weight = model.layers[0].mlp.gate_up_proj
-    has_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if not has_bf16:  # without AVX512-BF16 / AMX oneDNN would emulate it
+    pairs, panels = cpu_ops.use_bf16_pairs(), cpu_ops.use_panel_linear()
+    if not (pairs or panels or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         assert weight.dim() == 2 and not weight.is_mkldnn
-        pytest.skip("this CPU has no bfloat16 arithmetic: the packed bf16 path is not taken")
+        pytest.skip("no native kernel and no bfloat16 arithmetic: the linears stay plain")
     assert weight.dtype == torch.bfloat16
-    pairs = cpu_ops.use_bf16_pairs()  # the native pair layout, else oneDNN's
-    assert (weight.dim() == 4) == pairs and weight.is_mkldnn != pairs
     if pairs:  # [N / 16, K / 2, 16, 2] back to [N, K]
+        assert weight.dim() == 4
         dense = weight.permute(0, 2, 1, 3).reshape(16 * weight.shape[0], 2 * weight.shape[1])
+    elif panels:  # [N / 16, K, 16] back to [N, K]
+        assert weight.dim() == 3
+        dense = weight.transpose(1, 2).reshape(16 * weight.shape[0], weight.shape[1])
     else:
+        assert weight.is_mkldnn
         dense = weight.to_dense()
     x = torch.randn(5, dense.shape[1]).bfloat16()
     plain = torch.nn.functional.linear(x.float(), dense.float())

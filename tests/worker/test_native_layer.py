@@ -84,8 +84,8 @@ def _forward(model, cfg, chunks, dtype, native: bool, trim: bool = False):
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# Packed weights in the default layouts (float32 panels, bfloat16 pairs where the CPU has
-# AVX512-BF16), packed in oneDNN's, or plain.
+# Packed weights in the default layouts (float32 panels; bfloat16 pairs where the CPU has
+# AVX512-BF16, else bfloat16 panels), packed in oneDNN's, or plain.
 @pytest.mark.parametrize("weights", ["native", "onednn", "plain"])
 @pytest.mark.parametrize("step", ["decode", "mixed", "mixed-trimmed"])
 def test_native_layer_equals_the_python_layer(
@@ -100,6 +100,8 @@ def test_native_layer_equals_the_python_layer(
     assert all(layer.native_forward is not None for layer in _layers(model))
     if weights == "native" and dtype == torch.bfloat16 and cpu_ops.use_bf16_pairs():
         assert all(layer.mlp.gate_up_proj.dim() == 4 for layer in _layers(model))
+    elif weights == "native" and dtype == torch.bfloat16 and cpu_ops.use_panel_linear():
+        assert all(layer.mlp.gate_up_proj.dim() == 3 for layer in _layers(model))
     if "sliding_window" in extra:
         assert all(layer.attn.window == 24 for layer in _layers(model))
     chunks = _chunks(random.Random(2), prompt=step != "decode")

@@ -43,8 +43,9 @@ def param(*shape: int) -> nn.Parameter:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or the CPU kernel for a weight `pack_weight` laid out: oneDNN's (float32 or
-    bfloat16), the native panel kernel's (float32, a 3-D [N / 16, K, 16] tensor) or the native
-    bfloat16 pair kernel's (a 4-D [N / 16, K / 2, 16, 2] tensor); every other weight is 2-D."""
+    bfloat16), the native panel kernel's (float32 or bfloat16, a 3-D [N / 16, K, 16] tensor) or
+    the native bfloat16 pair kernel's (a 4-D [N / 16, K / 2, 16, 2] tensor); every other weight
+    is 2-D."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     if weight.dim() == 3:
@@ -68,8 +69,14 @@ ONEDNN_BATCH_HINT = 64
 
 def packs_to_panels(weight: torch.Tensor) -> bool:
     """Whether `pack_weight` lays this weight out in the native panel kernel's layout (the same
-    bytes, reordered) rather than oneDNN's opaque one."""
-    return weight.dtype == torch.float32 and weight.shape[0] % 16 == 0 and cpu_ops.use_panel_linear()
+    bytes, reordered) rather than oneDNN's opaque one: float32, and bfloat16 where the pair
+    kernel (AVX512-BF16) is not built, since there torch's bfloat16 GEMM is 5-7x slower than
+    the panels at 8 rows and more."""
+    if weight.shape[0] % 16 or not cpu_ops.use_panel_linear():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return not cpu_ops.use_bf16_pairs()
+    return weight.dtype == torch.float32
 
 
 def packs_to_pairs(weight: torch.Tensor) -> bool:
