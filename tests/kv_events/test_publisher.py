@@ -9,6 +9,7 @@ import time
 import msgspec
 import pytest
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.kv_events import KVEventsConfig, ZmqEventPublisher, make_publisher
@@ -18,11 +19,21 @@ BS = 4
 
 
 def _sub(ctx: zmq.Context, endpoint: str, topic: bytes) -> zmq.Socket:
+    """A SUB whose subscription has reached the PUB: a PUB drops what it sends before then."""
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, topic)
-    sub.connect(endpoint)
-    time.sleep(0.3)  # a PUB drops what it sends before the subscription reaches it
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        sub.connect(endpoint)
+        assert monitor.poll(10_000), "no handshake with the publisher"
+        recv_monitor_message(monitor)
+    finally:
+        sub.disable_monitor()
+        monitor.close(linger=0)
+    # The subscription goes out right after the handshake; nothing on this side shows when the
+    # PUB's I/O thread has read it, so a margin for that one local hop remains.
+    time.sleep(0.2)
     return sub
 
 

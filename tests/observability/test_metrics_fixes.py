@@ -3,7 +3,9 @@ counter, and a client that goes away counts as a finished request with reason ab
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -61,14 +63,21 @@ def test_client_disconnect_counts_as_abort(served) -> None:
     aborts, lengths = _value(before, ABORTS), _value(before, LENGTHS)
     body = {"prompt": [9, 10, 11], "max_tokens": 200, "ignore_eos": True, "stream": True}
     chunks = 0
-    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunks += 1
-                if chunks >= 3:
-                    break  # the client goes away mid-stream
-    assert _wait_value(served.url, ABORTS, aborts + 1) == aborts + 1
+    (worker,) = served.child("worker")
+    try:
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks += 1
+                    if chunks >= 3:
+                        # Frozen, the worker finishes no more steps: the stream cannot end by
+                        # itself (a "length") before the api sees the disconnect.
+                        os.kill(worker, signal.SIGSTOP)
+                        break  # the client goes away mid-stream
+        assert _wait_value(served.url, ABORTS, aborts + 1) == aborts + 1
+    finally:
+        os.kill(worker, signal.SIGCONT)
     # A request that runs to its end counts once, under its own reason, and not as an abort.
     done = {"prompt": [9, 10], "max_tokens": 4, "ignore_eos": True}
     r = httpx.post(f"{served.url}/v1/completions", json=done, timeout=60)

@@ -57,7 +57,7 @@ async def _unreachable_tokenizer(model, tmp_path) -> None:
         request = GenerateRequest("r-1", pack_ids([5, 6, 7]), SamplingParams(max_tokens=4))
         service._add(b"tok-gone", request)  # its tokenizer never connected (or went away)
         assert service.scheduler.num_waiting == 1
-        await asyncio.sleep(0.2)  # the api's connection is up
+        await _routable(service, api)
         service._send_batches({b"tok-gone": [RequestTokens("r-1", pack_ids([9]))]})
         assert service.scheduler.num_waiting == 0 and not service.owners
         assert service.blocks.num_free_blocks() == service.blocks.num_blocks
@@ -108,7 +108,8 @@ async def _full_queue(model, tmp_path, stall: bool) -> None:
         service._start(WorkerReady(num_blocks=16, block_size=16, max_model_len=64, vocab_size=256))
         request = GenerateRequest("r-1", pack_ids([5, 6, 7]), SamplingParams(max_tokens=4))
         service._add(b"tok-slow", request)
-        await asyncio.sleep(0.2)  # both connections are up
+        await _routable(service, api, tokenizer)
+        start = time.monotonic()
         # 16 KB a batch, so that the OS's socket buffers fill too, behind the small queues.
         for i in range(200):
             ids = pack_ids([i] * 4096)
@@ -116,16 +117,18 @@ async def _full_queue(model, tmp_path, stall: bool) -> None:
         assert b"tok-slow" in service._backlog, "the queue never filled"
         assert service.owners and service.scheduler.num_waiting == 1  # nothing was failed
         if stall:
-            for _ in range(50):  # until the OS buffers are full too: nothing moves any more
-                held = len(service._backlog[b"tok-slow"])
+            # Flush as the scheduler's loop does, until the tokenizer is failed: that may only
+            # happen once its buffers are full and nothing has moved for TOKENIZER_STALL_S.
+            moved, deadline = start, time.monotonic() + 60
+            while service.owners:
+                assert time.monotonic() < deadline, "a tokenizer that takes nothing was kept"
                 await asyncio.sleep(0.1)
+                held, now = len(service._backlog[b"tok-slow"]), time.monotonic()
                 service._flush_backlog()
-                if len(service._backlog[b"tok-slow"]) == held:
-                    break
-            assert service.owners, "failed before the deadline"
-            await asyncio.sleep(1.1)
-            service._flush_backlog()
-            assert not service._backlog and not service.owners
+                if service.owners and len(service._backlog[b"tok-slow"]) < held:
+                    moved = now  # its queue took some: it is not stalled yet
+            assert time.monotonic() - moved > 1.0, "failed before the deadline"
+            assert not service._backlog
             assert service.scheduler.num_waiting == 0
             assert service.blocks.num_free_blocks() == service.blocks.num_blocks
             assert api.poll(5000), "nothing reached the api"
@@ -133,13 +136,12 @@ async def _full_queue(model, tmp_path, stall: bool) -> None:
             assert isinstance(msg, EngineFailure) and msg.req_ids == ["r-1"]
             return
         received: list[int] = []
-        for _ in range(1000):
+        deadline = time.monotonic() + 60
+        while len(received) < 200 and time.monotonic() < deadline:
             service._flush_backlog()
             while tokenizer.poll(0):
                 batch = tokenizer_inbound_decoder.decode(tokenizer.recv())
                 received += [unpack_ids(item.token_ids)[0] for item in batch.items]
-            if len(received) == 200:
-                break
             await asyncio.sleep(0.005)
         assert received == list(range(200))
         assert not service._backlog and service.owners
@@ -147,6 +149,18 @@ async def _full_queue(model, tmp_path, stall: bool) -> None:
         api.close(linger=0)
         tokenizer.close(linger=0)
         _destroy_within(service.ctx, 10.0)
+
+
+async def _routable(service: SchedulerService, *peers: zmq.Socket) -> None:
+    """Until the scheduler's ROUTER has heard from each peer, so that it can route to them (a
+    fixed sleep did not always cover the handshakes under load: EHOSTUNREACH). Nothing runs the
+    service's receive loop in these tests, so the hellos are read here."""
+    for peer in peers:
+        peer.send(b"hello")
+    heard: set[bytes] = set()
+    while len(heard) < len(peers):
+        routing_id, _ = await asyncio.wait_for(service.router.recv_multipart(), 10)
+        heard.add(routing_id)
 
 
 def _destroy_within(ctx: zmq.Context, seconds: float) -> None:

@@ -65,6 +65,13 @@ def _exits_within(server: Served, seconds: float) -> int:
         pytest.fail(f"stoker serve still running {seconds} s after the fault")
 
 
+def _wait_log(server: Served, text: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in server.logs():
+        assert time.monotonic() < deadline, f"{text!r} never logged:\n{server.logs()[-4000:]}"
+        time.sleep(0.05)
+
+
 def _health(server: Served) -> int:
     try:
         return httpx.get(f"{server.url}/health", timeout=2).status_code
@@ -145,10 +152,12 @@ def test_sigterm_drains_streams_then_ends_the_rest_and_exits_0(model, tmp_path):
 
     def terminate() -> None:
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        # Logged by the api's SIGTERM handler, which runs on the event loop's thread and queues
+        # the drain (admission off) ahead of any request that arrives after it.
+        _wait_log(server, "shutting down: draining")
         body = {"prompt": [5, 6, 7], "max_tokens": 2}
         refused.append(httpx.post(f"{server.url}/v1/completions", json=body, timeout=10))
-        time.sleep(3)  # past --shutdown-timeout with the worker frozen
+        _wait_log(server, "shutdown: ended")  # past --shutdown-timeout with the worker frozen
 
     try:
         events = _streams_with_freeze(server, NUM_STREAMS, terminate)

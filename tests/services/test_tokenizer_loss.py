@@ -8,6 +8,7 @@ import asyncio
 import json
 import signal
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -64,13 +65,22 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def _taken(base: str) -> dict[str, int]:
+    """The requests each tokenizer (by slot) has taken, as of its last heartbeat."""
+    with urllib.request.urlopen(f"{base}/debug/state", timeout=5) as resp:
+        return {slot: t["requests"] for slot, t in json.loads(resp.read())["tokenizers"].items()}
+
+
 @pytest.mark.skipif(
     not (DEFAULT_MODEL / "config.json").exists(), reason="the bundled model is not built"
 )
 def test_a_stalled_tokenizer_fails_its_requests_and_the_others_serve(tmp_path):
-    """Real processes: freeze one of two tokenizers (SIGSTOP keeps its sockets open, so the
-    api cannot route around it) and send four requests: the two addressed to it come back as
-    503s once it has been silent for LOST_S, the other two complete; later requests succeed."""
+    """Real processes: four requests go out while the worker is frozen (none can finish); once
+    each of the two tokenizers has taken two, one is frozen (SIGSTOP keeps its sockets open, so
+    the api cannot tell it from a busy one) and the worker goes on: the two requests the frozen
+    one holds come back as 503s once it has been silent for LOST_S, the other two complete;
+    later requests succeed. (Freezing the tokenizer before sending raced its staleness: the api
+    routes only to tokenizers heard from within STALE_S, 2 s, of each request.)"""
     port = free_port()
     env = {**service_env(tmp_path), "STOKER_TOKENIZER_LOST_S": "2"}
     model = str(DEFAULT_MODEL)
@@ -83,14 +93,24 @@ def test_a_stalled_tokenizer_fails_its_requests_and_the_others_serve(tmp_path):
         [*py, "api", "--model", model, "--port", str(port), "--num-tokenizers", "2"],
     ]
     procs = [subprocess.Popen(c, env=env) for c in cmds]
-    stalled = procs[2]
+    worker, stalled = procs[0], procs[2]
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(f"{base}/health", procs=procs)
-        stalled.send_signal(signal.SIGSTOP)
         body = {"model": "stoker-tiny", "prompt": [5, 6, 7], "max_tokens": 8}
+        want = {slot: n + 2 for slot, n in _taken(base).items()}  # round robin: two each
+        worker.send_signal(signal.SIGSTOP)
         with ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(lambda _: _post(f"{base}/v1/completions", body), range(4)))
+            try:
+                futures = [pool.submit(_post, f"{base}/v1/completions", body) for _ in range(4)]
+                deadline = time.monotonic() + 30
+                while (taken := _taken(base)) != want:
+                    assert time.monotonic() < deadline, (taken, want)
+                    time.sleep(0.05)
+                stalled.send_signal(signal.SIGSTOP)
+            finally:
+                worker.send_signal(signal.SIGCONT)
+            results = [f.result() for f in futures]
         statuses = sorted(status for status, _ in results)
         assert statuses == [200, 200, 503, 503], results
         lost = [out for status, out in results if status == 503]
