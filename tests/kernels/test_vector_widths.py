@@ -1,10 +1,11 @@
 """The hand-vectorised native kernels at both vector widths, whatever CPU runs the suite.
 
 `kernels/csrc/vec_exp.h` picks 16-float vectors on AVX-512 CPUs and 8-float ones elsewhere, and
-the attention kernels' butterflies and tiles differ between the two. The default suite builds
-only the host's width, so this builds the attention, silu and sampling-noise kernels again for
-AVX2 and, where the CPU has it, for AVX-512, and checks each build against the torch references.
-Slow: each build is a compile of four kernels (about a minute on two cores)."""
+the attention kernels' butterflies and tiles differ between the two, as do the panel GEMM's
+register tiles. The default suite builds only the host's width, so this builds the attention,
+silu, sampling-noise and panel kernels again for AVX2 and, where the CPU has it, for AVX-512, and
+checks each build against the torch references.
+Slow: each build is a compile of five kernels (about a minute and a half on two cores)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ SOURCES = (
     "prefill_attention.cpp",
     "silu_mul.cpp",
     "sampling_noise.cpp",
+    "panel_linear.cpp",
 )
 
 BINDINGS = """
@@ -37,6 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "");
   m.def("silu_and_mul", &silu_and_mul, "");
   m.def("exponential_noise_rows", &exponential_noise_rows, "");
+  m.def("pack_panels", &pack_panels, "");
+  m.def("panel_linear", &panel_linear, "");
 }
 """
 # The instruction sets each width is built for, and the CPU flags that running it needs.
@@ -126,3 +130,19 @@ def test_sampling_noise(module):
         torch.testing.assert_close(
             module.exponential_noise_rows(keys, vocab), _noise_torch(keys, vocab)
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_linear(module, dtype):
+    """Rows around both widths' tiles (6 on AVX2, 12 on AVX-512) and an odd panel count (the
+    AVX-512 tile pairs panels); float32 weights, and bfloat16 ones widened as they load."""
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(48, 77, generator=gen).to(dtype), torch.randn(48).to(dtype)
+    panels = module.pack_panels(weight)
+    for rows in (1, 6, 7, 12, 13, 50):
+        x = torch.randn(rows, 77, generator=gen).to(dtype)
+        got = module.panel_linear(x, panels, bias)
+        want = x.double() @ weight.double().T + bias.double()
+        tol = 1e-5 if dtype == torch.float32 else 2**-8
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=1e-5)
