@@ -28,6 +28,12 @@ assert array("i").itemsize == 4
 
 
 _pack_one = struct.Struct("<i").pack
+_unpack_one = struct.Struct("<i").unpack
+
+
+def unpack_one_id(buf: TokenIds) -> int:
+    """The id of a one-id buffer (a decode step's token): cheaper than unpack_ids."""
+    return _unpack_one(buf)[0]
 
 
 def pack_ids(ids: Sequence[int] | np.ndarray) -> TokenIds:

@@ -82,6 +82,16 @@ class IncrementalDetokenizer:
             return self._emit(self._step(token_ids[0]), final=False)
         return self._emit("".join([self._step(t) for t in token_ids]), final=False)
 
+    @property
+    def plain(self) -> bool:
+        """No stop strings: text is streamed as it decodes and never stops here."""
+        return not self._stops
+
+    def add_token(self, token_id: int) -> str:
+        """One token's new text, for a `plain` detokenizer: what add_tokens([token_id]).text is,
+        without the stop-string machinery (the tokenizer's per-token hot path)."""
+        return self._step(token_id)
+
     def finish(self) -> DetokenizerDelta:
         """Flush at end of generation. Held text can no longer become a stop string, so it is
         emitted; bytes of a character that was never finished become U+FFFD, as in a full

@@ -42,6 +42,7 @@ from common.messages import (  # noqa: E402
     TokenizerHeartbeat,
     pack_ids,
     unpack_ids,
+    unpack_one_id,
 )
 from common.model_config import ModelConfig, resolve_max_model_len  # noqa: E402
 from common.model_registry import resolve_model  # noqa: E402
@@ -61,6 +62,10 @@ class _Request:
     params: SamplingParams
     stop_ids: frozenset[int]  # token ids whose generation ends the request with "stop"
     prompt_ids: bytes | None = None  # for the api's request log, until the first delta takes it
+    plain: bool = dataclasses.field(init=False)  # no stop strings: one-token deltas go fast
+
+    def __post_init__(self) -> None:
+        self.plain = self.detok.plain
 
 
 class TokenizerService:
@@ -125,10 +130,39 @@ class TokenizerService:
         """Text deltas for the api, and ids whose stop string matched (to abort upstream)."""
         deltas: list[TextDelta] = []
         stopped: list[str] = []
+        requests = self.requests
         for item in batch.items:
-            state = self.requests.get(item.req_id)
+            state = requests.get(item.req_id)
             if state is None:
                 continue  # finished here already (stop string): late tokens are dropped
+            if (
+                state.plain
+                and item.finish_reason is None
+                and len(item.token_ids) == 4
+                and state.prompt_ids is None
+            ):
+                # The common case at any batch size, one decode step's token of a running
+                # request without stop strings: what _detokenize_one gives, with less on the way.
+                # (An error always comes with finish_reason "abort"; prompt ids go out with the
+                # first delta, on the general path.)
+                text = state.detok.add_token(unpack_one_id(item.token_ids))
+                deltas.append(
+                    TextDelta(
+                        item.req_id,
+                        text,
+                        item.token_ids,
+                        None,
+                        item.logprobs,
+                        item.num_prompt_tokens,
+                        item.num_cached_tokens,
+                        item.queue_s,
+                        None,
+                        400,
+                        item.num_draft_tokens,
+                        item.num_accepted_tokens,
+                    )
+                )
+                continue
             try:
                 delta = self._detokenize_one(state, item)
             except Exception as e:

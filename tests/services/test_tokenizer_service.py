@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from common.addresses import Addresses
@@ -97,3 +98,38 @@ def test_scheduler_rejection_becomes_error(svc):
     deltas, _ = svc.detokenize(_batch(item))
     assert deltas[0].error == "needs too many KV blocks"
     assert "r" not in svc.requests
+
+
+def test_one_token_fast_path_gives_the_general_paths_deltas(svc):
+    """Running requests without stop strings take a shorter path for one-token items; its
+    deltas must be the general path's, field for field, through multi-byte characters split
+    across tokens, speculation's several-token items, prompt ids on the first delta and an eos
+    finish."""
+    text = "naïve café 東京 🙂 done"
+    ids = svc.tokenizer.encode(text)
+    # One token per step, with a three-token (speculative) step in the middle.
+    steps = [ids[:1], *[[t] for t in ids[1:5]], ids[5:8], *[[t] for t in ids[8:]], [EOS]]
+    runs: list[list] = []
+    for fast in (True, False):
+        req_id = f"fast-{fast}"
+        request = TokenizeRequest(
+            req_id, SamplingParams(max_tokens=60), prompt_token_ids=pack_ids([5, 6, 7]),
+            return_prompt_ids=True,
+        )  # fmt: skip
+        svc.admit(request)
+        svc.requests[req_id].plain = fast  # False: every item on the general path
+        deltas = []
+        for i, step in enumerate(steps):
+            item = RequestTokens(req_id, pack_ids(step), num_draft_tokens=i, num_accepted_tokens=i)
+            if i == 0:
+                item.num_prompt_tokens, item.num_cached_tokens, item.queue_s = 3, 1, 0.25
+            if i == len(steps) - 1:
+                item.finish_reason = "stop"
+            out, stopped = svc.detokenize(_batch(item))
+            assert not stopped
+            deltas += [msgspec.structs.asdict(d) | {"req_id": ""} for d in out]
+        runs.append(deltas)
+        assert req_id not in svc.requests
+    assert runs[0] == runs[1]
+    assert "".join(d["text"] for d in runs[0]) == svc.tokenizer.decode(ids)
+    assert runs[0][0]["prompt_token_ids"] == pack_ids([5, 6, 7])
