@@ -9,7 +9,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from common.messages import (
     unpack_ids,
 )
 from common.sampling_params import SamplingParams
+from common.shutdown import destroy_context_within
 from services.scheduler import service as scheduler_service
 from services.scheduler.service import SchedulerService
 
@@ -148,7 +148,10 @@ async def _full_queue(model, tmp_path, stall: bool) -> None:
     finally:
         api.close(linger=0)
         tokenizer.close(linger=0)
-        _destroy_within(service.ctx, 10.0)
+        # Once in about twenty full runs, zmq_ctx_term hung here after every assertion had
+        # passed, with the ROUTER's pipe to the stalled peer holding megabytes; the test is about
+        # the scheduler's failure handling, checked by then, so the term gets 10 s at most.
+        destroy_context_within(service.ctx, linger_ms=0, seconds=10.0)
 
 
 async def _routable(service: SchedulerService, *peers: zmq.Socket) -> None:
@@ -161,18 +164,6 @@ async def _routable(service: SchedulerService, *peers: zmq.Socket) -> None:
     while len(heard) < len(peers):
         routing_id, _ = await asyncio.wait_for(service.router.recv_multipart(), 10)
         heard.add(routing_id)
-
-
-def _destroy_within(ctx: zmq.Context, seconds: float) -> None:
-    """`ctx.destroy(linger=0)`, waiting at most `seconds` for it (the loop is blocked meanwhile,
-    so nothing else touches the sockets).
-    Once in about twenty full runs, zmq_ctx_term hung here after every assertion had passed
-    (pytest-timeout, 600 s, inside Context.term) with the ROUTER's pipe to the stalled peer
-    holding megabytes; linger 0 should have dropped them. The test is about the scheduler's
-    failure handling, which it has checked by then, so the term is left to a daemon thread."""
-    destroy = threading.Thread(target=ctx.destroy, kwargs={"linger": 0}, daemon=True)
-    destroy.start()
-    destroy.join(seconds)
 
 
 def test_a_flooded_tokenizer_keeps_heartbeating(model, tmp_path):
