@@ -24,7 +24,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -267,7 +266,7 @@ torch::Tensor panel_linear(torch::Tensor x, torch::Tensor panels, c10::optional<
   if (bf16)
     launch(static_cast<const uint16_t*>(panels.data_ptr()));
   else
-    launch(static_cast<const float*>(panels.data_ptr<float>()));
+    launch(static_cast<const float*>(panels.data_ptr()));
 #endif
   // Rounded to nearest even, as torch's .to(bfloat16) and its bfloat16 GEMMs round.
   return (bf16 ? y.to(torch::kBFloat16) : y).reshape(out_shape);

@@ -54,6 +54,8 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer.backend_tokenizer
         self._skip_special = params.skip_special_tokens
         self._stops = [s for s in params.stop if s]
+        # No stop strings: text streams as it decodes and never stops here (add_token applies).
+        self.plain = not self._stops
         self._include_stop = params.include_stop_str_in_output
         self.stopped = False
         self.stop_reason: str | None = None
@@ -81,11 +83,6 @@ class IncrementalDetokenizer:
         if len(token_ids) == 1:  # the common case: one decode step's token
             return self._emit(self._step(token_ids[0]), final=False)
         return self._emit("".join([self._step(t) for t in token_ids]), final=False)
-
-    @property
-    def plain(self) -> bool:
-        """No stop strings: text is streamed as it decodes and never stops here."""
-        return not self._stops
 
     def add_token(self, token_id: int) -> str:
         """One token's new text, for a `plain` detokenizer: what add_tokens([token_id]).text is,

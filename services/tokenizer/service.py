@@ -62,10 +62,6 @@ class _Request:
     params: SamplingParams
     stop_ids: frozenset[int]  # token ids whose generation ends the request with "stop"
     prompt_ids: bytes | None = None  # for the api's request log, until the first delta takes it
-    plain: bool = dataclasses.field(init=False)  # no stop strings: one-token deltas go fast
-
-    def __post_init__(self) -> None:
-        self.plain = self.detok.plain
 
 
 class TokenizerService:
@@ -136,7 +132,7 @@ class TokenizerService:
             if state is None:
                 continue  # finished here already (stop string): late tokens are dropped
             if (
-                state.plain
+                state.detok.plain
                 and item.finish_reason is None
                 and len(item.token_ids) == 4
                 and state.prompt_ids is None

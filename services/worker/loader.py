@@ -112,7 +112,7 @@ def load_model(
 
     model.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, assign=True)
     model.init_rope(max_positions, device)
-    if use_onednn(device, dtype):
+    if packs_linear_weights(device, dtype):
         pack_linear_weights(model)
     enable_native_layers(model, torch.device(device), dtype)
     return model.eval()
@@ -209,7 +209,7 @@ class _Checkpoint:
         return state
 
 
-def use_onednn(device: str, dtype: torch.dtype) -> bool:
+def packs_linear_weights(device: str, dtype: torch.dtype) -> bool:
     """Packed linear weights on CPU (`layers.pack_weight`: a native kernel's layout or oneDNN's)
     in float32, and in bfloat16 where a native kernel takes it (the pair kernel on AVX512-BF16,
     else the panel kernel) or oneDNN has bfloat16 arithmetic (AVX512-BF16 or AMX: packed bf16

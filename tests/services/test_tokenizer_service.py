@@ -117,7 +117,7 @@ def test_one_token_fast_path_gives_the_general_paths_deltas(svc):
             return_prompt_ids=True,
         )  # fmt: skip
         svc.admit(request)
-        svc.requests[req_id].plain = fast  # False: every item on the general path
+        svc.requests[req_id].detok.plain = fast  # False: every item on the general path
         deltas = []
         for i, step in enumerate(steps):
             item = RequestTokens(req_id, pack_ids(step), num_draft_tokens=i, num_accepted_tokens=i)
