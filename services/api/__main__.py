@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         host=args.host,
         port=args.port,
         loop="uvloop",
+        http="auto",  # httptools (a dependency) where it is installed, else h11
         log_level="warning",
         log_config=None,  # uvicorn's loggers propagate to ours: one format for every line
         access_log=False,
