@@ -30,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 from common.messages import ProfileControl, TextDelta
 from services.api import protocol
 from services.api.dashboard_routes import DashboardPage
+from services.api.delta_queue import DeltaQueue
 from services.api.engine_client import EngineClient
 from services.api.guard import ApiKeyMiddleware
 from services.api.openapi import openapi_document
@@ -205,7 +206,7 @@ class Api:
         req_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         subs = gen.sub_requests(req_id, time.time())
         ids = [s.req_id for s in subs]
-        acc = Accumulator(req_id, gen.n)
+        acc = Accumulator(req_id, gen.n, keep_text=not gen.stream)
         fmt = Formatter(kind, req_id, name, strings, gen.params.logprobs is not None)
         queue = await self.client.submit(subs)
         timer = self._deadline(ids)
@@ -257,7 +258,7 @@ class Api:
         return asyncio.get_running_loop().call_later(timeout, self.client.fail, ids, message, 504)
 
     @staticmethod
-    async def _collect(first: TextDelta, queue: asyncio.Queue, acc: Accumulator) -> bool:
+    async def _collect(first: TextDelta, queue: DeltaQueue, acc: Accumulator) -> bool:
         acc.add(first)
         while not acc.done:
             acc.add(await queue.get())
@@ -266,7 +267,7 @@ class Api:
     @staticmethod
     async def _events(
         first: TextDelta,
-        queue: asyncio.Queue[TextDelta],
+        queue: DeltaQueue,
         acc: Accumulator,
         fmt: Formatter,
         gen: protocol.Generation,
@@ -275,20 +276,25 @@ class Api:
             for i in range(gen.n):
                 yield _sse(fmt.role_chunk(i))
         pending = [first]
+        add = acc.add
         while True:
             # A client that fell behind gets everything queued since as one event per choice.
-            groups: dict[int, list[TextDelta]] = {}
-            for d in pending:
-                groups.setdefault(acc.add(d).index, []).append(d)
+            groups: dict[int, list[TextDelta]]
+            if gen.n == 1:
+                for d in pending:
+                    add(d)
+                groups = {0: pending}
+            else:
+                groups = {}
+                for d in pending:
+                    groups.setdefault(add(d).index, []).append(d)
             for index, deltas in groups.items():
                 chunk = fmt.chunk(acc.choices[index], deltas)
                 if chunk is not None:
                     yield _sse(chunk)
             if acc.done:
                 break
-            pending = [await queue.get()]
-            while not queue.empty():
-                pending.append(queue.get_nowait())
+            pending = await queue.get_all()
         if acc.error is not None or acc.aborted:
             error = ApiError(acc.error or "the request was aborted by the server", status=500)
             kind = "server_error" if acc.error_status in (503, 504) else "internal_server_error"

@@ -32,6 +32,7 @@ from common.messages import (
     TokenizerHeartbeat,
     num_ids,
 )
+from services.api.delta_queue import DeltaQueue
 from services.api.metrics import LATENCY_BUCKETS, EngineSnapshot, Metrics
 from services.api.protocol import ApiError
 from services.api.request_log import ChoiceLog, RequestLog
@@ -53,7 +54,7 @@ TOKENIZER_WAIT_S = float(os.environ.get("STOKER_TOKENIZER_WAIT_S", "30"))
 class _Track:
     """One sub-request in flight: where its deltas go, and timings for metrics."""
 
-    queue: asyncio.Queue[TextDelta]
+    queue: DeltaQueue
     arrival: float
     first: float | None = None
     last: float = 0.0
@@ -150,12 +151,12 @@ class EngineClient:
             return None
         return ApiError(message, status=503, type="server_error", code="overloaded")
 
-    async def submit(self, requests: list[TokenizeRequest]) -> asyncio.Queue[TextDelta]:
+    async def submit(self, requests: list[TokenizeRequest]) -> DeltaQueue:
         """Send sub-requests to the tokenizers; all their deltas arrive on the returned queue."""
         error = self.admission_error(len(requests))
         if error is not None:
             raise error
-        queue: asyncio.Queue[TextDelta] = asyncio.Queue()
+        queue = DeltaQueue()
         now = time.monotonic()
         tracks = [_Track(queue, now) for _ in requests]
         if self.request_log is not None:

@@ -35,24 +35,28 @@ class Choice:
 class Accumulator:
     """Collects the deltas of one API call's n sub-requests (`{req_id}-{i}`)."""
 
-    def __init__(self, req_id: str, n: int) -> None:
+    def __init__(self, req_id: str, n: int, keep_text: bool = True) -> None:
         self.choices = [Choice(i) for i in range(n)]
         self._index = {f"{req_id}-{i}": i for i in range(n)}
+        self._only = self.choices[0] if n == 1 else None  # no lookup per delta for one choice
+        # A stream sends each piece as it comes and never needs them joined: it keeps none.
+        self._keep_text = keep_text
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.error: str | None = None
         self.error_status = 500
 
     def add(self, d: TextDelta) -> Choice:
-        c = self.choices[self._index[d.req_id]]
+        c = self._only or self.choices[self._index[d.req_id]]
         if d.error is not None and self.error is None:
             self.error, self.error_status = d.error, d.error_status
         if d.num_prompt_tokens:
             self.prompt_tokens = d.num_prompt_tokens
             self.cached_tokens = d.num_cached_tokens
-        c.text_parts.append(d.text)
+        if self._keep_text:
+            c.text_parts.append(d.text)
+            c.token_id_parts.append(d.token_ids)
         c.num_tokens += num_ids(d.token_ids)
-        c.token_id_parts.append(d.token_ids)
         if d.logprobs:
             c.logprobs += d.logprobs
         if d.finish_reason is not None or d.error is not None:

@@ -11,6 +11,7 @@ from common.addresses import Addresses
 from common.messages import SchedulerStats, TextDelta, pack_ids
 from common.sampling_params import SamplingParams
 from services.api.app import Api
+from services.api.delta_queue import DeltaQueue
 from services.api.engine_client import EngineClient, _Tokenizer
 from services.api.protocol import Generation
 from services.api.responses import Accumulator, Formatter
@@ -19,7 +20,7 @@ from services.api.tokens import TokenStrings
 
 def _events(model_path, first: TextDelta, queued: list[TextDelta], n: int = 1) -> list[dict]:
     async def run() -> list[bytes]:
-        queue: asyncio.Queue[TextDelta] = asyncio.Queue()
+        queue = DeltaQueue()
         for d in queued:
             queue.put_nowait(d)
         fmt = Formatter("completion", "cmpl-x", "m", TokenStrings(model_path), logprobs=False)
