@@ -72,13 +72,22 @@ def write_result(name: str, result: dict) -> Path:
     return path
 
 
-def steady_decode_args(doc: str) -> argparse.Namespace:
-    """The arguments of the per-step host-cost benchmarks (scheduler_step.py, worker_step.py)."""
+def steady_decode_args(doc: str, cold: bool = False) -> argparse.Namespace:
+    """The arguments of the per-step host-cost benchmarks (scheduler_step.py, worker_step.py);
+    cold: offer --cold-mib."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--running", type=int, nargs="+", default=[32, 256])
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
+    if cold:
+        ap.add_argument(
+            "--cold-mib",
+            type=int,
+            default=0,
+            help="touch this many MiB between steps, leaving caches cold as the server's other\n"
+            "processes do between its steps (0: warm)",
+        )
     return ap.parse_args()
 
 

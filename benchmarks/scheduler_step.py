@@ -7,6 +7,7 @@ scheduler process spends per step, the part the issue's "scheduler step p50" nam
 scheduling is reproduced (two plans in flight), as the service runs it.
 
     .venv/bin/python benchmarks/scheduler_step.py --running 256 --steps 2000
+    .venv/bin/python benchmarks/scheduler_step.py --running 256 --cold-mib 8   # caches cold
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import collections
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -40,7 +43,10 @@ def _publish_cost(updates) -> None:
     encoder.encode(TokenBatch(items))
 
 
-def run(num_running: int, steps: int, prompt_len: int, block_size: int) -> dict:
+def run(num_running: int, steps: int, prompt_len: int, block_size: int, cold_mib: int = 0) -> dict:
+    # In the server, other processes run between two of the scheduler's steps and evict its
+    # requests from L1/L2: cold_mib > 0 reproduces that by touching a buffer before each step.
+    junk = np.zeros(cold_mib << 20, dtype=np.uint8)
     num_blocks = num_running * ((prompt_len + steps + 80) // block_size + 3)
     blocks = BlockManager(num_blocks, block_size)
     sched = Scheduler(
@@ -64,6 +70,8 @@ def run(num_running: int, steps: int, prompt_len: int, block_size: int) -> dict:
         sched.update(plan, _fake_result(plan, 5))
     t_schedule, t_encode, t_update, t_publish = [], [], [], []
     for step in range(steps):
+        if cold_mib:
+            junk[::64] += 1  # one write per cache line
         t0 = time.perf_counter()
         plan = sched.schedule()
         t1 = time.perf_counter()
@@ -90,6 +98,7 @@ def run(num_running: int, steps: int, prompt_len: int, block_size: int) -> dict:
     return {
         "running": num_running,
         "steps": steps,
+        "cold_mib": cold_mib,
         "schedule": p50_p99_us(t_schedule),
         "plan_encode": p50_p99_us(t_encode),
         "update": p50_p99_us(t_update),
@@ -98,8 +107,10 @@ def run(num_running: int, steps: int, prompt_len: int, block_size: int) -> dict:
 
 
 def main() -> None:
-    args = steady_decode_args(__doc__)
-    results = [run(n, args.steps, args.prompt_len, args.block_size) for n in args.running]
+    args = steady_decode_args(__doc__, cold=True)
+    results = [
+        run(n, args.steps, args.prompt_len, args.block_size, args.cold_mib) for n in args.running
+    ]
     for r in results:
         print(
             f"{r['running']:4d} running: schedule p50 {r['schedule']['p50_us']:7.1f} us "
