@@ -71,7 +71,8 @@ class Request:
         # below decode_until, the request decodes one token a step into a block it holds, below
         # its limit, and at equality it needs one more block for that; -1: not in steady decode.
         # hash_at_len is the context length at which a block of known tokens may need keying
-        # (never late; early only costs a check).
+        # (never late; early only costs a check). A request in steady decode is always below
+        # it: reaching it ends steady decode until the general path has keyed the block.
         self.decode_until = -1
         self.hash_at_len = 0
         eos = () if params.ignore_eos else eos_token_ids

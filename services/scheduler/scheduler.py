@@ -167,9 +167,8 @@ class Scheduler:
                 add_id(request.req_id)
                 request.num_computed_tokens = computed + 1
                 request.num_placeholders += 1  # it samples
-                # In steady decode every known token's KV is computed or planned.
-                if len(request.token_ids) >= request.hash_at_len:
-                    self._key_blocks(request, len(request.token_ids))
+                # No block of it is due for keying: update() sends a request whose new token
+                # fills a block it cannot key yet (its KV not planned) to the general path.
                 continue
             budget = budget0 - len(running.req_ids) - extra
             if budget <= 0:
@@ -184,8 +183,6 @@ class Scheduler:
                     request.num_computed_tokens = computed + 1
                     request.num_placeholders += 1
                     request.decode_until = min(computed + bs, request.token_limit - 1)
-                    if len(request.token_ids) >= request.hash_at_len:
-                        self._key_blocks(request, len(request.token_ids))
                     continue
             pending = request.num_planned_tokens - request.num_computed_tokens
             # Prefilling (or recomputing after preemption): a prompt chunk, under the cap.
@@ -367,9 +364,10 @@ class Scheduler:
         # Key the full blocks of known tokens this step computes, for requests planned later.
         self._key_blocks(request, min(request.num_computed_tokens, request.num_tokens))
         pending = request.num_planned_tokens - request.num_computed_tokens
-        if request.spec_inflight < 0 and pending == 1:
-            # Steady decode from here: the fast path may take it until it needs a block or
-            # reaches its limit.
+        # Steady decode from here: the fast path may take it until it needs a block or reaches
+        # its limit. Not while a block of known tokens waits for keying (a prompt whose last
+        # token, the one still to compute, ends a block): the general path keys it when planned.
+        if request.spec_inflight < 0 and pending == 1 and request.num_tokens < request.hash_at_len:
             held = len(self.blocks.block_table(request.req_id)) * self.blocks.block_size
             request.decode_until = min(held, request.token_limit - 1)
         else:
@@ -453,9 +451,12 @@ class Scheduler:
             # Key a block as soon as its last token is known and its KV computed or planned
             # (with overlap, the step in flight computes the token just appended), and before
             # a finish frees the blocks: as _key_known, inlined.
-            known = request.num_computed_tokens
-            if known >= request.hash_at_len and n >= request.hash_at_len:
-                self._key_blocks(request, known if known < n else n)
+            if n >= request.hash_at_len:
+                known = request.num_computed_tokens
+                if known >= request.hash_at_len:
+                    self._key_blocks(request, known if known < n else n)
+                if n >= request.hash_at_len:  # a full block whose last KV is not planned yet
+                    request.decode_until = -1  # keyed by _emit when planned (general path)
             # token_limit is min(prompt + max_tokens, max_model_len): one test for both lengths.
             if token in request.stop_ids or n >= request.token_limit:
                 reason = request.check_stop(max_len)
@@ -489,6 +490,8 @@ class Scheduler:
                 tokens, logprobs = tokens[: i + 1], _cut(logprobs, i + 1)
                 break
         self._key_known(request)  # before a finish frees the blocks
+        if len(request.token_ids) >= request.hash_at_len:  # as in _update_one_token_each
+            request.decode_until = -1
         if reason is not None:
             self.running.remove(request)
             self._finish(request, reason)

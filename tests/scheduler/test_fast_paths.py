@@ -116,6 +116,32 @@ def test_steady_rows_past_the_budget_wait() -> None:
     assert fast.running.req_ids == ["r0", "r1", "r2", "r3", "r4"]
 
 
+@pytest.mark.parametrize("fast_paths", [True, False])
+def test_a_prompt_left_one_token_short_of_a_block_end_is_keyed_when_planned(
+    fast_paths: bool,
+) -> None:
+    """A prompt chunk that leaves only the prompt's last token, which ends a block, puts the
+    request one token from sampling, as in steady decode; that block is keyed when the step
+    computing its last token is planned, on both paths (a waiting request with the same prompt
+    then shares it)."""
+    sched = make(max_num_batched_tokens=7, max_num_seqs=4)
+    sched.fast_paths = fast_paths
+    worker = FakeWorker({})
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18]  # two blocks of 4
+    sched.add_request(req("a", prompt, 4, ignore_eos=True))
+    first = sched.schedule()  # 7 of 8 prompt tokens: block 0 keyed, block 1 not yet known
+    assert first.new_requests[0].num_scheduled_tokens == 7
+    assert sched.blocks.seqs["a"].num_hashed == 1
+    sched.update(first, worker.execute(first))
+    second = sched.schedule()  # the last prompt token: block 1 is keyed as it is planned
+    assert second.running.req_ids == ["a"] and second.running.num_scheduled_tokens == [1]
+    assert sched.blocks.seqs["a"].num_hashed == 2
+    sched.update(second, worker.execute(second))
+    sched.add_request(req("b", [*prompt, 19, 20], 4, ignore_eos=True))
+    third = sched.schedule()
+    assert third.new_requests[0].num_computed_tokens == 8  # both blocks hit
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 @pytest.mark.parametrize("seed", [0, 1])
