@@ -23,13 +23,13 @@
 # GPU_CHECK_KERNELS="rotary,race" only those kernel checks.
 #
 # The image lacks msgspec (stoker's message structs, imported on the engine path), pyzmq,
-# starlette and uvicorn. Fill .whl/ here first (git-ignored) with scripts/fetch_gpu_wheels.sh,
+# starlette, uvicorn and httptools. Fill .whl/ here first (git-ignored) with scripts/fetch_gpu_wheels.sh,
 # which runs exactly:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     --platform manylinux1_x86_64 -d .whl msgspec==0.23.0 pyzmq==27.3.0 starlette==1.10.0 \
-#     uvicorn==0.54.0
+#     uvicorn==0.54.0 httptools==0.9.0
 # Then, with the device tool: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"],
 # timeout_s=540).
 #
