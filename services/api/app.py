@@ -206,7 +206,7 @@ class Api:
         req_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         subs = gen.sub_requests(req_id, time.time())
         ids = [s.req_id for s in subs]
-        acc = Accumulator(req_id, gen.n, keep_text=not gen.stream)
+        acc = Accumulator(req_id, gen.n, whole=not gen.stream)
         fmt = Formatter(kind, req_id, name, strings, gen.params.logprobs is not None)
         queue = await self.client.submit(subs)
         timer = self._deadline(ids)

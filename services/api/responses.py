@@ -35,12 +35,13 @@ class Choice:
 class Accumulator:
     """Collects the deltas of one API call's n sub-requests (`{req_id}-{i}`)."""
 
-    def __init__(self, req_id: str, n: int, keep_text: bool = True) -> None:
+    def __init__(self, req_id: str, n: int, whole: bool = True) -> None:
         self.choices = [Choice(i) for i in range(n)]
         self._index = {f"{req_id}-{i}": i for i in range(n)}
         self._only = self.choices[0] if n == 1 else None  # no lookup per delta for one choice
-        # A stream sends each piece as it comes and never needs them joined: it keeps none.
-        self._keep_text = keep_text
+        # whole: a whole response is built from the choices, which keep every delta's text, ids
+        # and logprobs. A stream sends those as they come and keeps none of them.
+        self._whole = whole
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.error: str | None = None
@@ -53,12 +54,12 @@ class Accumulator:
         if d.num_prompt_tokens:
             self.prompt_tokens = d.num_prompt_tokens
             self.cached_tokens = d.num_cached_tokens
-        if self._keep_text:
+        if self._whole:
             c.text_parts.append(d.text)
             c.token_id_parts.append(d.token_ids)
+            if d.logprobs:
+                c.logprobs += d.logprobs
         c.num_tokens += num_ids(d.token_ids)
-        if d.logprobs:
-            c.logprobs += d.logprobs
         if d.finish_reason is not None or d.error is not None:
             c.finish_reason = d.finish_reason or "abort"
         return c

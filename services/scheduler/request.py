@@ -21,9 +21,9 @@ class FinishReason(str, enum.Enum):
 
 
 class Request:
-    # The fields schedule()'s steady-decode loop reads and writes come first, so they share the
-    # object's first cache line: at hundreds of requests the loop runs with caches the other
-    # processes left cold.
+    # The four fields schedule()'s steady-decode loop touches come first, side by side (one or
+    # two cache lines): at hundreds of requests the loop runs with caches the other processes
+    # left cold.
     __slots__ = (
         "req_id",
         "num_computed_tokens",

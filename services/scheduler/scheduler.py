@@ -455,8 +455,10 @@ class Scheduler:
                 known = request.num_computed_tokens
                 if known >= request.hash_at_len:
                     self._key_blocks(request, known if known < n else n)
-                if n >= request.hash_at_len:  # a full block whose last KV is not planned yet
-                    request.decode_until = -1  # keyed by _emit when planned (general path)
+                # Re-read: keying moved hash_at_len on, unless the block's last KV is not
+                # planned yet; then _emit keys it when it is (the general path).
+                if n >= request.hash_at_len:
+                    request.decode_until = -1
             # token_limit is min(prompt + max_tokens, max_model_len): one test for both lengths.
             if token in request.stop_ids or n >= request.token_limit:
                 reason = request.check_stop(max_len)
