@@ -167,22 +167,28 @@ class Scheduler:
                 add_id(request.req_id)
                 request.num_computed_tokens = computed + 1
                 request.num_placeholders += 1  # it samples
-                # No block of it is due for keying: update() sends a request whose new token
-                # fills a block it cannot key yet (its KV not planned) to the general path.
+                # No block of it is due for keying: a request whose known tokens fill a block
+                # it cannot key yet (the last one's KV not planned) stops below instead.
                 continue
             budget = budget0 - len(running.req_ids) - extra
             if budget <= 0:
                 break
             if computed == request.decode_until and fast and computed < request.token_limit - 1:
-                # Steady decode that has filled its blocks: one more block, unless the pool
-                # is out (then the general path below preempts).
-                new_block = blocks.append_block(request.req_id)
+                # Steady decode at a stop: it has filled its blocks (one more, unless the pool
+                # is out: then the general path below preempts), or a block of its known tokens
+                # waits for keying (done here, as its last KV is planned).
+                held = len(blocks.block_table(request.req_id)) * bs
+                new_block = blocks.append_block(request.req_id) if computed == held else _NO_BLOCKS
                 if new_block is not None:
                     add_id(request.req_id)
-                    patches.append((len(running.req_ids) - 1, 1, new_block, b"", 0))
+                    if new_block:
+                        patches.append((len(running.req_ids) - 1, 1, new_block, b"", 0))
+                        held += bs
                     request.num_computed_tokens = computed + 1
                     request.num_placeholders += 1
-                    request.decode_until = min(computed + bs, request.token_limit - 1)
+                    request.decode_until = min(held, request.token_limit - 1)
+                    if len(request.token_ids) >= request.hash_at_len:
+                        self._key_blocks(request, len(request.token_ids))
                     continue
             pending = request.num_planned_tokens - request.num_computed_tokens
             # Prefilling (or recomputing after preemption): a prompt chunk, under the cap.
@@ -364,12 +370,14 @@ class Scheduler:
         # Key the full blocks of known tokens this step computes, for requests planned later.
         self._key_blocks(request, min(request.num_computed_tokens, request.num_tokens))
         pending = request.num_planned_tokens - request.num_computed_tokens
-        # Steady decode from here: the fast path may take it until it needs a block or reaches
-        # its limit. Not while a block of known tokens waits for keying (a prompt whose last
-        # token, the one still to compute, ends a block): the general path keys it when planned.
-        if request.spec_inflight < 0 and pending == 1 and request.num_tokens < request.hash_at_len:
+        if request.spec_inflight < 0 and pending == 1:
+            # Steady decode from here: the fast path may take it until it needs a block or
+            # reaches its limit. A block of known tokens waiting for keying (a prompt whose last
+            # token, the one still to compute, ends a block) stops it at once.
             held = len(self.blocks.block_table(request.req_id)) * self.blocks.block_size
             request.decode_until = min(held, request.token_limit - 1)
+            if request.num_tokens >= request.hash_at_len:
+                request.decode_until = min(request.decode_until, request.num_computed_tokens)
         else:
             request.decode_until = -1
 
@@ -456,9 +464,9 @@ class Scheduler:
                 if known >= request.hash_at_len:
                     self._key_blocks(request, known if known < n else n)
                 # Re-read: keying moved hash_at_len on, unless the block's last KV is not
-                # planned yet; then _emit keys it when it is (the general path).
+                # planned yet; then steady decode stops, and the next plan keys it.
                 if n >= request.hash_at_len:
-                    request.decode_until = -1
+                    request.decode_until = min(request.decode_until, known)
             # token_limit is min(prompt + max_tokens, max_model_len): one test for both lengths.
             if token in request.stop_ids or n >= request.token_limit:
                 reason = request.check_stop(max_len)
@@ -493,7 +501,7 @@ class Scheduler:
                 break
         self._key_known(request)  # before a finish frees the blocks
         if len(request.token_ids) >= request.hash_at_len:  # as in _update_one_token_each
-            request.decode_until = -1
+            request.decode_until = min(request.decode_until, request.num_computed_tokens)
         if reason is not None:
             self.running.remove(request)
             self._finish(request, reason)
