@@ -69,10 +69,11 @@ class Request:
         self.token_limit = 0  # the scheduler's: min(prompt_len + max_tokens, max_model_len)
         # The scheduler's steady-decode fast path (scheduler.py): while num_computed_tokens is
         # below decode_until, the request decodes one token a step into a block it holds, below
-        # its limit, and at equality it needs one more block for that; -1: not in steady decode.
+        # its limit, and at equality it stops (for one more block, or to key one); -1: not in
+        # steady decode.
         # hash_at_len is the context length at which a block of known tokens may need keying
         # (never late; early only costs a check). A request in steady decode is always below
-        # it: reaching it ends steady decode until the general path has keyed the block.
+        # it: reaching it stops steady decode at the stop row, which keys the block.
         self.decode_until = -1
         self.hash_at_len = 0
         eos = () if params.ignore_eos else eos_token_ids

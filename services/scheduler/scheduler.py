@@ -376,8 +376,7 @@ class Scheduler:
             # token, the one still to compute, ends a block) stops it at once.
             held = len(self.blocks.block_table(request.req_id)) * self.blocks.block_size
             request.decode_until = min(held, request.token_limit - 1)
-            if request.num_tokens >= request.hash_at_len:
-                request.decode_until = min(request.decode_until, request.num_computed_tokens)
+            self._stop_at_unkeyed_block(request)
         else:
             request.decode_until = -1
 
@@ -458,15 +457,10 @@ class Scheduler:
             n = len(ids)
             # Key a block as soon as its last token is known and its KV computed or planned
             # (with overlap, the step in flight computes the token just appended), and before
-            # a finish frees the blocks: as _key_known, inlined.
+            # a finish frees the blocks (once a block: the test keeps the calls off the loop).
             if n >= request.hash_at_len:
-                known = request.num_computed_tokens
-                if known >= request.hash_at_len:
-                    self._key_blocks(request, known if known < n else n)
-                # Re-read: keying moved hash_at_len on, unless the block's last KV is not
-                # planned yet; then steady decode stops, and the next plan keys it.
-                if n >= request.hash_at_len:
-                    request.decode_until = min(request.decode_until, known)
+                self._key_known(request)
+                self._stop_at_unkeyed_block(request)
             # token_limit is min(prompt + max_tokens, max_model_len): one test for both lengths.
             if token in request.stop_ids or n >= request.token_limit:
                 reason = request.check_stop(max_len)
@@ -500,8 +494,7 @@ class Scheduler:
                 tokens, logprobs = tokens[: i + 1], _cut(logprobs, i + 1)
                 break
         self._key_known(request)  # before a finish frees the blocks
-        if len(request.token_ids) >= request.hash_at_len:  # as in _update_one_token_each
-            request.decode_until = min(request.decode_until, request.num_computed_tokens)
+        self._stop_at_unkeyed_block(request)
         if reason is not None:
             self.running.remove(request)
             self._finish(request, reason)
@@ -512,6 +505,13 @@ class Scheduler:
         known = min(request.num_computed_tokens, len(request.token_ids))
         if known >= request.hash_at_len:
             self._key_blocks(request, known)
+
+    def _stop_at_unkeyed_block(self, request: Request) -> None:
+        """A full block of known tokens that could not be keyed (its last KV not computed or
+        planned yet) ends steady decode now: the next plan's stop row keys it as it plans that
+        KV. So steady-decode rows never check for blocks to key."""
+        if len(request.token_ids) >= request.hash_at_len:
+            request.decode_until = min(request.decode_until, request.num_computed_tokens)
 
     def _cache_computed_blocks(self, plan: StepPlan) -> None:
         ids = [n.req_id for n in plan.new_requests] + plan.running.req_ids
