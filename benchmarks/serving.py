@@ -144,13 +144,19 @@ def bench(server: Server, args: list[str]) -> dict:
     return {"num_events": events, **{k: v for k, v in result.items() if not isinstance(v, list)}}
 
 
-def histogram_quantile(metrics: str, name: str, q: float) -> float:
-    """Upper bucket bound holding quantile q of a Prometheus histogram (coarse, like PromQL)."""
+def histogram_buckets(metrics: str, name: str) -> list[tuple[float, float]]:
+    """A Prometheus histogram's (upper bound, cumulative count) pairs, +Inf last."""
     buckets = []
     for line in metrics.splitlines():
         if line.startswith(f"{name}_bucket"):
             le = line.split('le="')[1].split('"')[0]
             buckets.append((float(le), float(line.split()[-1])))
+    return buckets
+
+
+def histogram_quantile(metrics: str, name: str, q: float) -> float:
+    """Upper bucket bound holding quantile q of a Prometheus histogram (coarse, like PromQL)."""
+    buckets = histogram_buckets(metrics, name)
     total = buckets[-1][1] if buckets else 0
     for bound, count in buckets:
         if total and count >= q * total:
@@ -160,13 +166,9 @@ def histogram_quantile(metrics: str, name: str, q: float) -> float:
 
 def histogram_fraction_le(metrics: str, name: str, bound: float) -> float:
     """Fraction of a Prometheus histogram's observations at or under one of its bucket bounds."""
-    count = total = 0.0
-    for line in metrics.splitlines():
-        if line.startswith(f"{name}_bucket"):
-            le = float(line.split('le="')[1].split('"')[0])
-            total = float(line.split()[-1])  # cumulative: the last (+Inf) bucket is the count
-            if le == bound:
-                count = total
+    buckets = histogram_buckets(metrics, name)
+    total = buckets[-1][1] if buckets else 0
+    count = next((c for le, c in buckets if le == bound), 0.0)
     return round(count / total, 3) if total else float("nan")
 
 
