@@ -17,6 +17,8 @@ from common.messages import (
     RunningRequestData,
     StepPlan,
     StepResult,
+    TextBatch,
+    TextDelta,
     TokenBatch,
     pack_ids,
 )
@@ -35,8 +37,21 @@ def messages() -> dict[str, object]:
         finished_req_ids=[],
     )
     result = StepResult(step_id=1234, req_ids=ids, token_ids=pack_ids(range(1000, 1000 + BATCH)))
-    tokens = TokenBatch([RequestTokens(i, pack_ids([1000 + n])) for n, i in enumerate(ids)])
-    return {"StepPlan": plan, "StepResult": result, "TokenBatch": tokens}
+    # A decode step's tokens as the scheduler sends them (steady columns), and as items.
+    tokens = TokenBatch([], ids, pack_ids(range(1000, 1000 + BATCH)))
+    items = TokenBatch([RequestTokens(i, pack_ids([1000 + n])) for n, i in enumerate(ids)])
+    text = TextBatch("tok-0", [], ids, [" word"] * BATCH, tokens.steady_token_ids)
+    text_items = TextBatch(
+        "tok-0", [TextDelta(i, " word", t.token_ids) for i, t in zip(ids, items.items)]
+    )
+    return {
+        "StepPlan": plan,
+        "StepResult": result,
+        "TokenBatch": tokens,
+        "TokenBatch (items)": items,
+        "TextBatch": text,
+        "TextBatch (items)": text_items,
+    }
 
 
 def timeit(fn, n: int = 2000) -> float:
@@ -71,7 +86,7 @@ def main() -> None:
                 "decode_us": round(timeit(lambda d=data, dec=decode: dec(d)), 1),
             }
             out[f"{name}/{codec}"] = row
-            print(f"{name:11s} {codec:26s} {row}")
+            print(f"{name:18s} {codec:26s} {row}")
     print("wrote", write_result("ipc_codec", out))
 
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_utils import p50_p99_us, steady_decode_args, write_result  # noqa: E402  (puts the repo on sys.path)
 
 from common.ipc import encoder  # noqa: E402
-from common.messages import RequestTokens, StepPlan, StepResult, TokenBatch, pack_ids  # noqa: E402
+from common.messages import StepPlan, StepResult, TokenBatch, pack_ids  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from services.scheduler.block_manager import BlockManager  # noqa: E402
 from services.scheduler.request import Request  # noqa: E402
@@ -38,9 +38,10 @@ def _fake_result(plan: StepPlan, token: int) -> StepResult:
 
 
 def _publish_cost(updates) -> None:
-    """What the service does with the updates: one RequestTokens each, one encoded batch."""
-    items = [RequestTokens(u.req_id, pack_ids(u.new_token_ids), None, u.logprobs) for u in updates]
-    encoder.encode(TokenBatch(items))
+    """What the service does with a decode step's updates: steady rows as two columns (ids and
+    packed tokens), one encoded batch."""
+    ids, tokens = [u.req_id for u in updates], [u.new_token_ids[0] for u in updates]
+    encoder.encode(TokenBatch([], ids, pack_ids(tokens)))
 
 
 def run(num_running: int, steps: int, prompt_len: int, block_size: int, cold_mib: int = 0) -> dict:

@@ -176,9 +176,16 @@ class RequestTokens(msgspec.Struct, array_like=True, gc=False):
 
 
 class TokenBatch(msgspec.Struct, array_like=True, gc=False, tag="tokens"):
-    """scheduler -> tokenizer: one message per tokenizer per step."""
+    """scheduler -> tokenizer: one message per tokenizer per step.
+
+    Most rows of a decode step are steady: one token of an announced request that goes on, with
+    no logprobs and no speculation stats. Those travel as two columns (ids, and their tokens
+    packed in the same order), which cost a fifth of RequestTokens items to encode and decode;
+    every other row is an item. A request is in one or the other, never both."""
 
     items: list[RequestTokens]
+    steady_req_ids: list[str] = []
+    steady_token_ids: TokenIds = b""
 
 
 class TextDelta(msgspec.Struct, array_like=True, gc=False):
@@ -198,10 +205,15 @@ class TextDelta(msgspec.Struct, array_like=True, gc=False):
 
 
 class TextBatch(msgspec.Struct, array_like=True, gc=False, tag="text"):
-    """tokenizer -> api: detokenized deltas, batched per step."""
+    """tokenizer -> api: detokenized deltas, batched per step. Steady rows (see TokenBatch) are
+    columns here too: each is TextDelta(req_id, text, token_ids) with every other field at its
+    default."""
 
     tokenizer_id: str
     items: list[TextDelta]
+    steady_req_ids: list[str] = []
+    steady_texts: list[str] = []
+    steady_token_ids: TokenIds = b""  # one packed id per steady row
 
 
 class TokenizerHeartbeat(msgspec.Struct, array_like=True, tag="tok_heartbeat"):

@@ -376,9 +376,46 @@ class EngineClient:
 
     def _dispatch(self, batch: TextBatch) -> None:
         now = time.monotonic()
+        late_aborts: list[str] = []
+        if batch.items:
+            self._dispatch_items(batch.items, now, late_aborts)
+        if batch.steady_req_ids:
+            self._dispatch_steady(batch, now, late_aborts)
+        if late_aborts:
+            self._send_abort(late_aborts)
+
+    def _dispatch_steady(self, batch: TextBatch, now: float, late_aborts: list[str]) -> None:
+        """The batch's steady rows: one token each for a request that goes on (what
+        _dispatch_items does for such a delta, with the checks that cannot fire left out)."""
+        tracks, aborted = self._tracks, self._aborted
+        observe_itl = self.metrics.itl.observe
+        buf = batch.steady_token_ids
+        others: list[TextDelta] = []
+        offset = num_tokens = 0
+        for req_id, text in zip(batch.steady_req_ids, batch.steady_texts):
+            d = TextDelta(req_id, text, buf[offset : offset + 4])
+            offset += 4
+            track = tracks.get(req_id)
+            if track is None:
+                if req_id in aborted:
+                    late_aborts.append(req_id)
+                continue
+            if track.first is None:  # not from a stoker scheduler (it announces first tokens)
+                others.append(d)
+                continue
+            track.queue.put_nowait(d)
+            if track.log is not None:
+                track.log.add(d)
+            observe_itl(now - track.last, LATENCY_BUCKETS)
+            track.last = now
+            num_tokens += 1
+        self.metrics.generation_tokens += num_tokens
+        if others:
+            self._dispatch_items(others, now, late_aborts)
+
+    def _dispatch_items(self, items: list[TextDelta], now: float, late_aborts: list[str]) -> None:
         m = self.metrics
-        late_aborts = []
-        for d in batch.items:
+        for d in items:
             track = self._tracks.get(d.req_id)
             if track is None:
                 if d.req_id in self._aborted:
@@ -419,8 +456,6 @@ class EngineClient:
                 m.e2e.observe(now - track.arrival)
                 m.request_success.labels(d.finish_reason).inc()
                 self._untrack(d.req_id)
-        if late_aborts:
-            self._send_abort(late_aborts)
 
     # -- state ----------------------------------------------------------------------------------
 

@@ -221,7 +221,7 @@ class SchedulerService:
             )
         num_failed = len(self.owners)
         self.owners = {}
-        self._send_batches(replies)
+        self._send_items(replies)
         log.error("engine failure: %s (%d requests failed)", message, num_failed)
 
     # -- inbound ----------------------------------------------------------------------------------
@@ -290,7 +290,7 @@ class SchedulerService:
         except ValueError as e:
             log.info("rejected: %s", e, extra={"request_id": msg.req_id})
             reply = RequestTokens(msg.req_id, b"", finish_reason="abort", error=str(e))
-            self._send_batches({routing_id: [reply]})
+            self._send_items({routing_id: [reply]})
             return
         self.owners[msg.req_id] = _Owner(routing_id)
         if log.isEnabledFor(logging.DEBUG):
@@ -308,7 +308,7 @@ class SchedulerService:
                     replies[owner.routing_id].append(
                         RequestTokens(req_id, b"", finish_reason="abort")
                     )
-        self._send_batches(replies)
+        self._send_items(replies)
         self.stats_due.set()
 
     # -- steps ------------------------------------------------------------------------------------
@@ -436,36 +436,58 @@ class SchedulerService:
 
     def _publish(self, updates: list[RequestUpdate]) -> None:
         assert self.scheduler is not None
-        batches: dict[bytes, list[RequestTokens]] = collections.defaultdict(list)
+        owners = self.owners
+        batches: dict[bytes, TokenBatch] = {}
+        steady_tokens: dict[bytes, list[int]] = {}
         for update in updates:
-            owner = self.owners.get(update.req_id)
+            owner = owners.get(update.req_id)
             if owner is None:
                 continue
+            routing_id = owner.routing_id
+            batch = batches.get(routing_id)
+            if batch is None:
+                batch = batches[routing_id] = TokenBatch([])
+                steady_tokens[routing_id] = []
+            request = update.request
+            tokens = update.new_token_ids
+            if (
+                update.finish_reason is None
+                and owner.announced
+                and len(tokens) == 1
+                and update.logprobs is None
+                and not request.num_draft_tokens
+            ):
+                batch.steady_req_ids.append(update.req_id)
+                steady_tokens[routing_id].append(tokens[0])
+                continue
             reason = update.finish_reason.value if update.finish_reason else None
-            item = RequestTokens(
-                update.req_id, pack_ids(update.new_token_ids), reason, update.logprobs
-            )
+            item = RequestTokens(update.req_id, pack_ids(tokens), reason, update.logprobs)
             if not owner.announced:
                 owner.announced = True
-                request = update.request
                 item.num_prompt_tokens = request.prompt_len
                 item.num_cached_tokens = max(request.num_cached_tokens, 0)
                 if request.first_scheduled_time is not None:
                     item.queue_s = request.first_scheduled_time - request.arrival_time
-            if update.request.num_draft_tokens:  # per request, for the token-ID request log
-                item.num_draft_tokens = update.request.num_draft_tokens
-                item.num_accepted_tokens = update.request.num_accepted_tokens
+            if request.num_draft_tokens:  # per request, for the token-ID request log
+                item.num_draft_tokens = request.num_draft_tokens
+                item.num_accepted_tokens = request.num_accepted_tokens
             if reason is not None:
-                del self.owners[update.req_id]
-            batches[owner.routing_id].append(item)
+                del owners[update.req_id]
+            batch.items.append(item)
+        for routing_id, tokens in steady_tokens.items():
+            if tokens:
+                batches[routing_id].steady_token_ids = pack_ids(tokens)
         self._send_batches(batches)
 
-    def _send_batches(self, batches: dict[bytes, list[RequestTokens]]) -> None:
+    def _send_items(self, items: dict[bytes, list[RequestTokens]]) -> None:
+        self._send_batches({routing_id: TokenBatch(i) for routing_id, i in items.items()})
+
+    def _send_batches(self, batches: dict[bytes, TokenBatch]) -> None:
         lost: list[bytes] = []
-        for routing_id, items in batches.items():
-            if not items:
+        for routing_id, batch in batches.items():
+            if not batch.items and not batch.steady_req_ids:
                 continue
-            frames = [routing_id, encoder.encode(TokenBatch(items))]
+            frames = [routing_id, encoder.encode(batch)]
             backlog = self._backlog.get(routing_id)
             if backlog is not None:  # behind batches its queue did not take: keep the order
                 backlog.append(frames)

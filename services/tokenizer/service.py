@@ -122,26 +122,54 @@ class TokenizerService:
             log.debug("tokenized: %d prompt tokens", len(ids), extra={"request_id": req.req_id})
         return GenerateRequest(req.req_id, packed, req.params, req.arrival_time)
 
-    def detokenize(self, batch: TokenBatch) -> tuple[list[TextDelta], list[str]]:
-        """Text deltas for the api, and ids whose stop string matched (to abort upstream)."""
-        deltas: list[TextDelta] = []
+    def detokenize(self, batch: TokenBatch) -> tuple[TextBatch, list[str]]:
+        """Text deltas for the api, and ids whose stop string matched (to abort upstream).
+        Steady rows stay steady columns, except for requests with stop strings (or prompt ids
+        still to send), whose text takes the general path."""
+        out = TextBatch(self.id, [])
+        deltas = out.items
         stopped: list[str] = []
         requests = self.requests
+        if batch.steady_req_ids:
+            req_ids, texts, kept = out.steady_req_ids, out.steady_texts, []
+            for req_id, token in zip(batch.steady_req_ids, unpack_ids(batch.steady_token_ids)):
+                state = requests.get(req_id)
+                if state is None:
+                    continue  # finished here already (stop string): late tokens are dropped
+                if state.detok.plain and state.prompt_ids is None:
+                    try:
+                        texts.append(state.detok.add_token(token))
+                    except Exception as e:
+                        deltas.append(self._failed(req_id, e))
+                        stopped.append(req_id)
+                        continue
+                    req_ids.append(req_id)
+                    kept.append(token)
+                else:
+                    item = RequestTokens(req_id, pack_ids([token]))
+                    self._detokenize_general(state, item, deltas, stopped)
+            same = len(kept) == len(batch.steady_req_ids)
+            out.steady_token_ids = batch.steady_token_ids if same else pack_ids(kept)
         for item in batch.items:
             state = requests.get(item.req_id)
             if state is None:
-                continue  # finished here already (stop string): late tokens are dropped
+                continue  # as above
             if (
                 state.detok.plain
                 and item.finish_reason is None
                 and len(item.token_ids) == 4
                 and state.prompt_ids is None
             ):
-                # The common case at any batch size, one decode step's token of a running
-                # request without stop strings: what _detokenize_one gives, with less on the way.
-                # (An error always comes with finish_reason "abort"; prompt ids go out with the
-                # first delta, on the general path.)
-                text = state.detok.add_token(unpack_one_id(item.token_ids))
+                # The common item, one decode step's token of a running request without stop
+                # strings (a first one, or one with speculation stats): what _detokenize_one
+                # gives, with less on the way. (An error always comes with finish_reason
+                # "abort"; prompt ids go out with the first delta, on the general path.)
+                try:
+                    text = state.detok.add_token(unpack_one_id(item.token_ids))
+                except Exception as e:
+                    deltas.append(self._failed(item.req_id, e))
+                    stopped.append(item.req_id)
+                    continue
                 deltas.append(
                     TextDelta(
                         item.req_id,
@@ -159,20 +187,30 @@ class TokenizerService:
                     )
                 )
                 continue
-            try:
-                delta = self._detokenize_one(state, item)
-            except Exception as e:
-                log.exception("detokenizing failed", extra={"request_id": item.req_id})
-                self.requests.pop(item.req_id, None)
-                stopped.append(item.req_id)
-                delta = TextDelta(item.req_id, "", b"", finish_reason="abort", error=str(e))
-            else:
-                if delta.finish_reason is not None:
-                    if item.finish_reason is None:  # stop string: the scheduler still runs it
-                        stopped.append(item.req_id)
-                    del self.requests[item.req_id]
-            deltas.append(delta)
-        return deltas, stopped
+            self._detokenize_general(state, item, deltas, stopped)
+        return out, stopped
+
+    def _detokenize_general(
+        self, state: _Request, item: RequestTokens, deltas: list[TextDelta], stopped: list[str]
+    ) -> None:
+        try:
+            delta = self._detokenize_one(state, item)
+        except Exception as e:
+            delta = self._failed(item.req_id, e)
+            stopped.append(item.req_id)
+        else:
+            if delta.finish_reason is not None:
+                if item.finish_reason is None:  # stop string: the scheduler still runs it
+                    stopped.append(item.req_id)
+                del self.requests[item.req_id]
+        deltas.append(delta)
+
+    def _failed(self, req_id: str, e: Exception) -> TextDelta:
+        """A request whose text could not be decoded ends with an error (the caller aborts it
+        upstream); the others in the batch go on."""
+        log.exception("detokenizing failed", extra={"request_id": req_id})
+        self.requests.pop(req_id, None)
+        return TextDelta(req_id, "", b"", finish_reason="abort", error=str(e) or type(e).__name__)
 
     def _detokenize_one(self, state: _Request, item: RequestTokens) -> TextDelta:
         prompt_ids, state.prompt_ids = state.prompt_ids, None
@@ -255,11 +293,11 @@ class TokenizerService:
             except msgspec.DecodeError:
                 log.exception("dropping a malformed TokenBatch")
                 continue
-            deltas, stopped = self.detokenize(batch)
+            out, stopped = self.detokenize(batch)
             if stopped:
                 await scheduler.send(encoder.encode(Abort(stopped, reason="stop")))
-            if deltas:
-                await api.send(encoder.encode(TextBatch(self.id, deltas)))
+            if out.items or out.steady_req_ids:
+                await api.send(encoder.encode(out))
             await let_others_run()  # new requests and heartbeats share this loop
 
     async def _heartbeat_loop(self, api: zmq.asyncio.Socket) -> None:

@@ -58,7 +58,7 @@ async def _unreachable_tokenizer(model, tmp_path) -> None:
         service._add(b"tok-gone", request)  # its tokenizer never connected (or went away)
         assert service.scheduler.num_waiting == 1
         await _routable(service, api)
-        service._send_batches({b"tok-gone": [RequestTokens("r-1", pack_ids([9]))]})
+        service._send_items({b"tok-gone": [RequestTokens("r-1", pack_ids([9]))]})
         assert service.scheduler.num_waiting == 0 and not service.owners
         assert service.blocks.num_free_blocks() == service.blocks.num_blocks
         assert api.poll(5000), "nothing reached the api"
@@ -113,7 +113,7 @@ async def _full_queue(model, tmp_path, stall: bool) -> None:
         # 16 KB a batch, so that the OS's socket buffers fill too, behind the small queues.
         for i in range(200):
             ids = pack_ids([i] * 4096)
-            service._send_batches({b"tok-slow": [RequestTokens("r-1", ids)]})
+            service._send_items({b"tok-slow": [RequestTokens("r-1", ids)]})
         assert b"tok-slow" in service._backlog, "the queue never filled"
         assert service.owners and service.scheduler.num_waiting == 1  # nothing was failed
         if stall:

@@ -61,3 +61,25 @@ def test_engine_lost_fails_everything_until_a_ready_worker_is_reported():
     assert not client.health()[0] and client.admission_error(1) is not None
     client._on_stats(SchedulerStats(True, 0, 0, 8, 8, 0.0, 0, 0, 0, 64, "m"))
     assert client.engine_error is None and client.admission_error(1) is None
+
+
+def test_steady_rows_reach_their_queues_and_metrics_like_items():
+    """A TextBatch's steady columns are one-token deltas, queued and counted as items are; a
+    row for a request aborted here gets a late abort, one for an unknown request is dropped,
+    and one for a request with no first token yet takes the item path."""
+    client = _client()
+    a, b, c = _track(client, "a"), _track(client, "b"), _track(client, "c")
+    firsts = [TextDelta("a", "x", pack_ids([7])), TextDelta("b", "y", pack_ids([8]))]
+    client._dispatch(TextBatch("tok-0-aaaa", firsts))
+    assert client.num_waiting == 1  # "c" has no token yet
+    tokens, itl_count = client.metrics.generation_tokens, sum(client.metrics.itl.counts)
+    client._aborted["gone"] = 0.0
+    steady = ["a", "gone", "nobody", "b", "c"]
+    client._dispatch(TextBatch("tok-0-aaaa", [], steady, list("12345"), pack_ids(range(10, 15))))
+    assert [a.get_nowait() for _ in range(2)] == [firsts[0], TextDelta("a", "1", pack_ids([10]))]
+    assert [b.get_nowait() for _ in range(2)] == [firsts[1], TextDelta("b", "4", pack_ids([13]))]
+    assert c.get_nowait() == TextDelta("c", "5", pack_ids([14]))
+    assert client.aborts == ["gone"]
+    assert client.num_waiting == 0
+    assert client.metrics.generation_tokens == tokens + 3
+    assert sum(client.metrics.itl.counts) == itl_count + 2  # "c"'s token was its first

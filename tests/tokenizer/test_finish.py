@@ -36,7 +36,8 @@ def test_server_stop_string_in_the_length_step_is_stop(svc):
     svc.admit(TokenizeRequest("r", params, prompt_token_ids=pack_ids([5, 6])))
     # The scheduler ends it for length in the very step whose token completes "world".
     item = RequestTokens("r", pack_ids(ids), finish_reason="length")
-    deltas, stopped = svc.detokenize(TokenBatch([item]))
+    out, stopped = svc.detokenize(TokenBatch([item]))
+    deltas = out.items
     assert deltas[0].finish_reason == "stop" and deltas[0].text == " hello "
     assert not stopped  # the scheduler already finished it: nothing to abort
     assert "r" not in svc.requests
