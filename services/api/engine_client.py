@@ -388,10 +388,11 @@ class EngineClient:
         """The batch's steady rows: one token each for a request that goes on (what
         _dispatch_items does for such a delta, with the checks that cannot fire left out)."""
         tracks, aborted = self._tracks, self._aborted
-        observe_itl = self.metrics.itl.observe
         buf = batch.steady_token_ids
         others: list[TextDelta] = []
-        offset = num_tokens = 0
+        # Rows whose last tokens came in one batch share their gap: one ITL observation each.
+        lasts: dict[float, int] = {}
+        offset = 0
         for req_id, text in zip(batch.steady_req_ids, batch.steady_texts):
             d = TextDelta(req_id, text, buf[offset : offset + 4])
             offset += 4
@@ -406,10 +407,13 @@ class EngineClient:
             track.queue.put_nowait(d)
             if track.log is not None:
                 track.log.add(d)
-            observe_itl(now - track.last, LATENCY_BUCKETS)
+            last = track.last
+            lasts[last] = lasts.get(last, 0) + 1
             track.last = now
-            num_tokens += 1
-        self.metrics.generation_tokens += num_tokens
+        itl = self.metrics.itl
+        for last, n in lasts.items():
+            itl.observe(now - last, LATENCY_BUCKETS, n)
+        self.metrics.generation_tokens += sum(lasts.values())
         if others:
             self._dispatch_items(others, now, late_aborts)
 

@@ -73,6 +73,9 @@ def test_steady_rows_reach_their_queues_and_metrics_like_items():
     client._dispatch(TextBatch("tok-0-aaaa", firsts))
     assert client.num_waiting == 1  # "c" has no token yet
     tokens, itl_count = client.metrics.generation_tokens, sum(client.metrics.itl.counts)
+    itl_total = client.metrics.itl.total
+    client._tracks["b"].last -= 0.5  # its gap differs from "a"'s
+    lasts = {r: client._tracks[r].last for r in ("a", "b")}
     client._aborted["gone"] = 0.0
     steady = ["a", "gone", "nobody", "b", "c"]
     client._dispatch(TextBatch("tok-0-aaaa", [], steady, list("12345"), pack_ids(range(10, 15))))
@@ -83,3 +86,7 @@ def test_steady_rows_reach_their_queues_and_metrics_like_items():
     assert client.num_waiting == 0
     assert client.metrics.generation_tokens == tokens + 3
     assert sum(client.metrics.itl.counts) == itl_count + 2  # "c"'s token was its first
+    now = client._tracks["a"].last
+    assert client._tracks["b"].last == now
+    gaps = sum(now - last for last in lasts.values())
+    assert abs(client.metrics.itl.total - itl_total - gaps) < 1e-9
