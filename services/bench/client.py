@@ -17,8 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from services.bench.datasets import Prompt, SampleRequest
+
+_decode_event = msgspec.json.Decoder().decode
 
 
 @dataclasses.dataclass
@@ -94,7 +97,7 @@ def chunk_text(chunk: dict[str, Any]) -> str:
     return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
 
 
-def sse_data_lines(buffer: bytearray, chunk: bytes) -> list[str]:
+def sse_data_lines(buffer: bytearray, chunk: bytes) -> list[bytes]:
     """Append a network chunk to `buffer`; return the complete `data:` payloads it finished.
 
     Chunks split lines anywhere, so a partial line stays in the buffer for the next call."""
@@ -105,7 +108,7 @@ def sse_data_lines(buffer: bytearray, chunk: bytes) -> list[str]:
     complete = bytes(buffer[: end + 1])
     del buffer[: end + 1]
     return [
-        line[5:].strip().decode()
+        line[5:].strip()
         for line in complete.split(b"\n")
         if line.startswith(b"data:")  # not blank separators, comments or `event:` lines
     ]
@@ -135,10 +138,10 @@ async def send_request(
             async for chunk in resp.content.iter_any():
                 now = time.perf_counter()
                 for data in sse_data_lines(buffer, chunk):
-                    if data == "[DONE]":
+                    if data == b"[DONE]":
                         done = True
                         break
-                    event = json.loads(data)
+                    event = _decode_event(data)  # msgspec: a third of json.loads's CPU
                     if event.get("error"):
                         res.error = f"stream error: {json.dumps(event['error'])[:1000]}"
                         return res

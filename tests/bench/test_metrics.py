@@ -133,8 +133,8 @@ def test_sse_lines_survive_chunks_split_anywhere() -> None:
     stream = b'data: {"a": 1}\n\n: comment\nevent: x\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
     for size in (1, 2, 3, 7, len(stream)):
         buffer = bytearray()
-        got: list[str] = []
+        got: list[bytes] = []
         for i in range(0, len(stream), size):
             got += sse_data_lines(buffer, stream[i : i + size])
-        assert got == ['{"a": 1}', '{"b": 2}', "[DONE]"], size
+        assert got == [b'{"a": 1}', b'{"b": 2}', b"[DONE]"], size
         assert not buffer
