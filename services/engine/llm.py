@@ -19,7 +19,8 @@ from common.messages import TokenLogprobs  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from common.tokenizer_files import load_tokenizer  # noqa: E402
 from services.engine.core import EngineCore  # noqa: E402
-from services.tokenizer.detokenizer import IncrementalDetokenizer  # noqa: E402
+from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.pieces import PieceTables  # noqa: E402
 
 Prompt = str | Sequence[int]
 
@@ -96,6 +97,7 @@ class LLM:
         config = EngineConfig(model=str(model or DEFAULT_MODEL), **engine_options)
         self.engine = EngineCore(config, overlap)
         self.tokenizer = load_tokenizer(config.model)
+        self.pieces = PieceTables(self.tokenizer)  # built on first use
         self._ids = itertools.count()
 
     def close(self) -> None:
@@ -160,7 +162,7 @@ class LLM:
                     index, "", [], None, [] if params.logprobs is not None else None
                 )
                 parent.outputs.append(out)
-                detok = IncrementalDetokenizer(self.tokenizer, ids, child)
+                detok = IncrementalDetokenizer(self.tokenizer, ids, child, self.pieces)
                 pending[req_id] = _Pending(out, detok, child)
                 self.engine.add_request(req_id, ids, child)
 

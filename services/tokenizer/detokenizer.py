@@ -24,6 +24,8 @@ from common.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
+    from services.tokenizer.pieces import PieceTables
+
 # Prompt tokens primed into the stream so the first output token decodes as it would in a full
 # decode (leading-space rules, preceding bytes). Only the previous token matters for common
 # tokenizers; a few more is cheap. Same order of magnitude as vLLM.
@@ -41,8 +43,10 @@ class IncrementalDetokenizer:
 
     Decoding is delegated to `tokenizers.decoders.DecodeStream`, which only re-decodes a small
     window and returns None while the text ends in an unfinished UTF-8 character, so no delta
-    ever contains half a character. On top of it we hold back the shortest tail that could still
-    grow into a stop string, so text after a stop string is never streamed.
+    ever contains half a character; or, for byte-level tokenizers given `pieces`, to a table of
+    each token's bytes that gives the same text (services/tokenizer/pieces.py). On top of it we
+    hold back the shortest tail that could still grow into a stop string, so text after a stop
+    string is never streamed.
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class IncrementalDetokenizer:
         tokenizer: PreTrainedTokenizerFast,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
+        pieces: PieceTables | None = None,
     ) -> None:
         self._tokenizer = tokenizer.backend_tokenizer
         self._skip_special = params.skip_special_tokens
@@ -67,6 +72,12 @@ class IncrementalDetokenizer:
         self._pending: list[int] = []
         self._stream = DecodeStream(skip_special_tokens=self._skip_special)
         self._prompt_residue = ""
+        table = None if pieces is None else pieces.get(self._skip_special)
+        self._table = table
+        if table is not None:
+            self._pieces, self._texts = table.pieces, table.texts
+            self._bytes = b""  # bytes of an unfinished character, held back
+            self._step = self._step_table  # type: ignore[method-assign]
         # Prime the stream with the prompt's tail (its text is discarded) so the first output
         # token decodes in context.
         for token_id in prompt_token_ids[-_CONTEXT_TOKENS:]:
@@ -75,7 +86,8 @@ class IncrementalDetokenizer:
         # text would come out with the first output text. If the output finishes the character,
         # it counts as output; the U+FFFDs that stay (genuine ones, or bytes never finished) are
         # prompt text, dropped from the first output text.
-        self._prompt_residue = self._flush_pending() if self._pending else ""
+        if self._pending_text():
+            self._prompt_residue = self._flush_pending()
 
     def add_tokens(self, token_ids: Sequence[int]) -> DetokenizerDelta:
         if self.stopped:
@@ -95,10 +107,31 @@ class IncrementalDetokenizer:
         decode (errors='replace')."""
         if self.stopped:
             return DetokenizerDelta("", True)
-        tail = self._drop_prompt_residue(self._flush_pending()) if self._pending else ""
+        tail = self._drop_prompt_residue(self._flush_pending()) if self._pending_text() else ""
         self._context.clear()
         self._pending = []
+        self._bytes = b""
         return self._emit(tail, final=True)
+
+    def _pending_text(self) -> bool:
+        """Whether tokens were stepped whose text is not out yet (an unfinished character)."""
+        return bool(self._bytes) if self._table is not None else bool(self._pending)
+
+    def _step_table(self, token_id: int) -> str:
+        """_step from the piece table: what DecodeStream gives for a byte-level tokenizer."""
+        if token_id >= len(self._pieces):
+            return ""  # an id past the tokenizer's vocabulary (a padded row): no text
+        if not self._bytes:
+            text = self._texts[token_id]
+            if text is not None:
+                return self._drop_prompt_residue(text) if self._prompt_residue else text
+        joined = self._bytes + self._pieces[token_id]
+        text = joined.decode("utf-8", "replace")
+        if text.endswith("\ufffd"):  # held back, as DecodeStream holds an unfinished character
+            self._bytes = joined
+            return ""
+        self._bytes = b""
+        return self._drop_prompt_residue(text) if self._prompt_residue else text
 
     def _step(self, token_id: int) -> str:
         try:
@@ -123,6 +156,8 @@ class IncrementalDetokenizer:
 
     def _flush_pending(self) -> str:
         """Text of the pending ids, unfinished characters replaced, as the stream would give."""
+        if self._table is not None:
+            return self._bytes.decode("utf-8", "replace")
         context = list(self._context)
         prefix = self._decode(context)
         full = self._decode(context + self._pending)

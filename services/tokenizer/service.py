@@ -51,6 +51,7 @@ from common.sampling_params import SamplingParams  # noqa: E402
 from common.tokenizer_files import load_tokenizer  # noqa: E402
 from common.validation import check_request  # noqa: E402
 from services.tokenizer.detokenizer import IncrementalDetokenizer  # noqa: E402
+from services.tokenizer.pieces import PieceTables  # noqa: E402
 
 log = logging.getLogger("stoker.tokenizer")
 HEARTBEAT_S = 0.5
@@ -78,6 +79,10 @@ class TokenizerService:
         self.addresses = addresses
         model = resolve_model(model)
         self.tokenizer = load_tokenizer(model)
+        # Per-token bytes for byte-level tokenizers, so a token's text is a lookup. Built now
+        # for the default skip_special_tokens=True (a fraction of a second for 150k tokens).
+        self.pieces = PieceTables(self.tokenizer)
+        self.pieces.get(True)
         cfg = ModelConfig.from_folder(model)
         self.vocab_size = cfg.vocab_size
         self.eos_ids = frozenset(cfg.eos_token_ids)
@@ -112,7 +117,7 @@ class TokenizerService:
         eos = frozenset() if req.params.ignore_eos else self.eos_ids
         packed = pack_ids(ids)
         self.requests[req.req_id] = _Request(
-            IncrementalDetokenizer(self.tokenizer, ids, req.params),
+            IncrementalDetokenizer(self.tokenizer, ids, req.params, self.pieces),
             req.params,
             eos | frozenset(req.params.stop_token_ids),
             packed if req.return_prompt_ids else None,

@@ -1,9 +1,12 @@
-"""Tests for the incremental detokenizer, on tiny tokenizers trained offline."""
+"""Tests for the incremental detokenizer, on tiny tokenizers trained offline. Every test runs
+twice: decoding through DecodeStream, and through a piece table where the tokenizer has one
+(byte-level; the Metaspace one has none, so it decodes through DecodeStream both times)."""
 
 from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -11,6 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 from common.sampling_params import SamplingParams
 from services.tokenizer.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from services.tokenizer.pieces import PieceTables
 
 CORPUS = [
     "héllo wörld — 日本語 emoji 🚀 rocket launch, naïve café façade Ünïcödé.",
@@ -47,6 +51,23 @@ def sp_tok() -> PreTrainedTokenizerFast:
     return _train(pre_tokenizers.Metaspace(), decoders.Metaspace(), [])
 
 
+_TABLES: dict[int, PieceTables] = {}
+_USE_TABLES = [False]
+
+
+@pytest.fixture(autouse=True, params=["stream", "table"])
+def decode_with(request) -> Iterator[str]:
+    _USE_TABLES[0] = request.param == "table"
+    yield request.param
+    _USE_TABLES[0] = False
+
+
+def detokenizer(tok, prompt_ids, params: SamplingParams) -> IncrementalDetokenizer:
+    """An IncrementalDetokenizer in the test's decode mode."""
+    pieces = _TABLES.setdefault(id(tok), PieceTables(tok)) if _USE_TABLES[0] else None
+    return IncrementalDetokenizer(tok, prompt_ids, params, pieces)
+
+
 def enc(tok: PreTrainedTokenizerFast, text: str) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
@@ -55,7 +76,7 @@ def run(
     tok, prompt_ids, out_ids, chunks=None, **params
 ) -> tuple[list[str], IncrementalDetokenizer]:
     """Feed out_ids in the given chunk sizes (default one at a time); return all deltas."""
-    detok = IncrementalDetokenizer(tok, prompt_ids, SamplingParams(**params))
+    detok = detokenizer(tok, prompt_ids, SamplingParams(**params))
     deltas, i = [], 0
     for size in chunks or [1] * len(out_ids):
         deltas.append(detok.add_tokens(out_ids[i : i + size]).text)
@@ -150,7 +171,7 @@ def test_stop_string_at_start_of_output(tok):
 
 
 def test_stop_string_starting_in_held_back_text(tok):
-    detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=["###"]))
+    detok = detokenizer(tok, [], SamplingParams(stop=["###"]))
     # "##" could start "###", so it is held back...
     assert detok.add_tokens(enc(tok, " a ##")).text == " a "
     # ...until " b" shows it cannot; now "#" is held.
@@ -181,7 +202,7 @@ def test_include_stop_str_in_output(tok):
 
 
 def test_nothing_after_stop(tok):
-    detok = IncrementalDetokenizer(tok, enc(tok, PROMPT), SamplingParams(stop=["fox"]))
+    detok = detokenizer(tok, enc(tok, PROMPT), SamplingParams(stop=["fox"]))
     first = detok.add_tokens(enc(tok, TEXT))
     assert first.stopped and first.text == " The quick brown "
     later = detok.add_tokens(enc(tok, " more text"))
@@ -204,7 +225,9 @@ def test_skip_special_tokens(tok, skip):
     assert "".join(deltas) == in_context(tok, prompt, out, skip)
 
 
-def test_recovers_from_invalid_prefix(tok):
+def test_recovers_from_invalid_prefix(tok, decode_with):
+    if decode_with == "table":
+        pytest.skip("a DecodeStream failure: the table path has no stream")
     detok = IncrementalDetokenizer(tok, enc(tok, PROMPT), SamplingParams())
 
     class Broken:
@@ -213,3 +236,63 @@ def test_recovers_from_invalid_prefix(tok):
 
     detok._stream = Broken()
     assert detok.add_tokens(enc(tok, " hello world")).text == " hello world"
+
+
+def test_ids_past_the_vocabulary_decode_to_nothing(tok):
+    """A model's padded vocabulary rows have no token: their ids add no text."""
+    out = enc(tok, " hello")
+    deltas, _ = run(tok, enc(tok, PROMPT), [len(tok) + 5, *out, len(tok) + 999])
+    assert "".join(deltas) == " hello"
+
+
+def test_only_byte_level_tokenizers_get_a_table(tok, sp_tok):
+    for skip in (True, False):
+        table = PieceTables(tok).get(skip)
+        assert table is not None and len(table.pieces) == len(tok)
+        assert PieceTables(sp_tok).get(skip) is None  # Metaspace: DecodeStream
+    special = PieceTables(tok)
+    assert special.get(True).pieces[tok.eos_token_id] == b""
+    assert special.get(False).pieces[tok.eos_token_id] == b"</s>"
+
+
+def test_a_table_the_tokenizer_disagrees_with_is_refused(tok):
+    from services.tokenizer.pieces import PieceTable, _disagreement
+
+    good = PieceTables(tok).get(True)
+    assert good is not None and _disagreement(tok, good, True) is None
+    token_id = enc(tok, " quick")[0]
+    pieces, texts = list(good.pieces), list(good.texts)
+    pieces[token_id], texts[token_id] = b" quack", " quack"
+    reason = _disagreement(tok, PieceTable(pieces, texts), True)
+    assert reason is not None and f"token {token_id}" in reason
+    # A partial token's bytes are only checked in runs of ids.
+    partial = next(i for i, t in enumerate(good.texts) if t is None)
+    pieces, texts = list(good.pieces), list(good.texts)
+    pieces[partial] = b"\xff"
+    reason = _disagreement(tok, PieceTable(pieces, texts), True)
+    assert reason is not None and reason.startswith("ids")
+
+
+def test_the_bundled_models_tokenizer_streams_the_same_with_its_table(decode_with):
+    """stoker-tiny's byte-level tokenizer gets a table, and random ids (unfinished characters,
+    special tokens, ids past the vocabulary) stream the same text through it as through
+    DecodeStream, delta for delta."""
+    if decode_with == "table":
+        pytest.skip("compares both modes itself")
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "models/stoker-tiny")
+    pieces = PieceTables(tok)
+    assert pieces.get(True) is not None
+    rng = random.Random(1)
+    for _ in range(200):
+        prompt = [rng.randrange(len(tok) + 8) for _ in range(rng.randint(1, 8))]
+        out = [rng.randrange(len(tok) + 8) for _ in range(rng.randint(0, 24))]
+        params = SamplingParams(skip_special_tokens=rng.random() < 0.7)
+        streams = []
+        for table in (None, pieces):
+            detok = IncrementalDetokenizer(tok, prompt, params, table)
+            streams.append([detok.add_token(t) for t in out] + [detok.finish().text])
+        assert streams[0] == streams[1], (prompt, out)
