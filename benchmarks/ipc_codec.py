@@ -47,9 +47,9 @@ def messages() -> dict[str, object]:
     return {
         "StepPlan": plan,
         "StepResult": result,
-        "TokenBatch": tokens,
+        "TokenBatch (columns)": tokens,
         "TokenBatch (items)": items,
-        "TextBatch": text,
+        "TextBatch (columns)": text,
         "TextBatch (items)": text_items,
     }
 
@@ -86,7 +86,7 @@ def main() -> None:
                 "decode_us": round(timeit(lambda d=data, dec=decode: dec(d)), 1),
             }
             out[f"{name}/{codec}"] = row
-            print(f"{name:18s} {codec:26s} {row}")
+            print(f"{name:20s} {codec:26s} {row}")
     print("wrote", write_result("ipc_codec", out))
 
 

@@ -38,8 +38,8 @@ def _fake_result(plan: StepPlan, token: int) -> StepResult:
 
 
 def _publish_cost(updates) -> None:
-    """What the service does with a decode step's updates: steady rows as two columns (ids and
-    packed tokens), one encoded batch."""
+    """Building and encoding a steady decode step's TokenBatch (every row steady: two columns,
+    ids and packed tokens). The service's per-row checks and owner lookups are not in it."""
     ids, tokens = [u.req_id for u in updates], [u.new_token_ids[0] for u in updates]
     encoder.encode(TokenBatch([], ids, pack_ids(tokens)))
 

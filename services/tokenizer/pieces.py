@@ -11,11 +11,12 @@ Other decoders (SentencePiece's Metaspace, WordPiece) get no table and keep Deco
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from tokenizers import decoders
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -64,16 +65,17 @@ def _byte_level_chars() -> dict[str, int]:
 
 def build(tokenizer: PreTrainedTokenizerFast, skip_special_tokens: bool) -> PieceTable | None:
     backend = tokenizer.backend_tokenizer
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
-    if decoder.get("type") != "ByteLevel":
+    if not isinstance(backend.decoder, decoders.ByteLevel):
         return None
     byte_of = _byte_level_chars()
     added = backend.get_added_tokens_decoder()
+    # Ids may have gaps (a special token far past the rest): the table runs to the highest.
+    size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     pieces: list[bytes] = []
-    for token_id in range(backend.get_vocab_size(with_added_tokens=True)):
+    for token_id in range(size):
         token = backend.id_to_token(token_id)
         special = token_id in added and added[token_id].special
-        if token is None or (special and skip_special_tokens):
+        if token is None or (special and skip_special_tokens):  # a gap, or skipped
             pieces.append(b"")
         elif all(c in byte_of for c in token):
             pieces.append(bytes([byte_of[c] for c in token]))

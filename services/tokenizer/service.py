@@ -79,10 +79,12 @@ class TokenizerService:
         self.addresses = addresses
         model = resolve_model(model)
         self.tokenizer = load_tokenizer(model)
-        # Per-token bytes for byte-level tokenizers, so a token's text is a lookup. Built now
-        # for the default skip_special_tokens=True (a fraction of a second for 150k tokens).
+        # Per-token bytes for byte-level tokenizers, so a token's text is a lookup. Both
+        # skip_special_tokens tables are built now (about half a second each for 50k tokens),
+        # not in the event loop when a request first asks for one.
         self.pieces = PieceTables(self.tokenizer)
-        self.pieces.get(True)
+        for skip_special_tokens in (True, False):
+            self.pieces.get(skip_special_tokens)
         cfg = ModelConfig.from_folder(model)
         self.vocab_size = cfg.vocab_size
         self.eos_ids = frozenset(cfg.eos_token_ids)

@@ -90,3 +90,22 @@ def test_steady_rows_reach_their_queues_and_metrics_like_items():
     assert client._tracks["b"].last == now
     gaps = sum(now - last for last in lasts.values())
     assert abs(client.metrics.itl.total - itl_total - gaps) < 1e-9
+
+
+def test_one_batch_of_items_and_steady_rows_for_different_requests():
+    """Items (a first token, a finish) and steady rows in one TextBatch: each request gets its
+    own deltas in order, the finished one leaves, and the counts add up."""
+    client = _client()
+    a, b, c = _track(client, "a"), _track(client, "b"), _track(client, "c")
+    client._dispatch(TextBatch("tok-0-aaaa", [TextDelta(r, "x", pack_ids([1])) for r in "ab"]))
+    tokens = client.metrics.generation_tokens
+    items = [
+        TextDelta("a", "!", pack_ids([2]), finish_reason="stop"),
+        TextDelta("c", "first", pack_ids([3]), num_prompt_tokens=4),
+    ]
+    client._dispatch(TextBatch("tok-0-aaaa", items, ["b"], ["y"], pack_ids([4])))
+    assert [a.get_nowait().text for _ in range(2)] == ["x", "!"]
+    assert [b.get_nowait().text for _ in range(2)] == ["x", "y"]
+    assert c.get_nowait().text == "first"
+    assert client.num_inflight == 2 and client.num_waiting == 0  # "a" finished
+    assert client.metrics.generation_tokens == tokens + 3

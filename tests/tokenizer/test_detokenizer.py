@@ -276,7 +276,7 @@ def test_a_table_the_tokenizer_disagrees_with_is_refused(tok):
 def test_the_bundled_models_tokenizer_streams_the_same_with_its_table(decode_with):
     """stoker-tiny's byte-level tokenizer gets a table, and random ids (unfinished characters,
     special tokens, ids past the vocabulary) stream the same text through it as through
-    DecodeStream, delta for delta."""
+    DecodeStream, delta for delta, fed one token or several at a time."""
     if decode_with == "table":
         pytest.skip("compares both modes itself")
     from pathlib import Path
@@ -291,8 +291,31 @@ def test_the_bundled_models_tokenizer_streams_the_same_with_its_table(decode_wit
         prompt = [rng.randrange(len(tok) + 8) for _ in range(rng.randint(1, 8))]
         out = [rng.randrange(len(tok) + 8) for _ in range(rng.randint(0, 24))]
         params = SamplingParams(skip_special_tokens=rng.random() < 0.7)
+        cuts = sorted(rng.sample(range(1, len(out)), min(len(out) - 1, 3))) if out else []
+        chunks = [out[i:j] for i, j in zip([0, *cuts], [*cuts, len(out)])]
         streams = []
         for table in (None, pieces):
             detok = IncrementalDetokenizer(tok, prompt, params, table)
-            streams.append([detok.add_token(t) for t in out] + [detok.finish().text])
+            deltas = [detok.add_token(t) for t in out[:1]]  # one-token and chunked calls
+            deltas += [detok.add_tokens(c[1:] if k == 0 else c).text for k, c in enumerate(chunks)]
+            streams.append([*deltas, detok.finish().text])
         assert streams[0] == streams[1], (prompt, out)
+
+
+def test_token_ids_with_gaps_get_their_text(decode_with):
+    """Ids need not be contiguous (tiktoken conversions put specials far past the rest): a
+    special token at id 300 over 256 byte tokens streams as DecodeStream streams it."""
+    from tokenizers import AddedToken
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|end|>"] = 300
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<|end|>", special=True)])
+    gappy = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|end|>")
+    assert gappy.eos_token_id == 300 and backend.get_vocab_size(True) == 257
+    a = gappy.convert_tokens_to_ids("a")
+    for skip in (True, False):
+        deltas, _ = run(gappy, [a], [a, 300, a], skip_special_tokens=skip)
+        assert deltas == ["a", "" if skip else "<|end|>", "a", ""]
