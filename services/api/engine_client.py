@@ -394,13 +394,13 @@ class EngineClient:
         lasts: dict[float, int] = {}
         offset = 0
         for req_id, text in zip(batch.steady_req_ids, batch.steady_texts):
-            d = TextDelta(req_id, text, buf[offset : offset + 4])
             offset += 4
             track = tracks.get(req_id)
             if track is None:
                 if req_id in aborted:
                     late_aborts.append(req_id)
                 continue
+            d = TextDelta(req_id, text, buf[offset - 4 : offset])
             if track.first is None:  # not from a stoker scheduler (it announces first tokens)
                 others.append(d)
                 continue

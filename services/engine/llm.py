@@ -19,7 +19,7 @@ from common.messages import TokenLogprobs  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from common.tokenizer_files import load_tokenizer  # noqa: E402
 from services.engine.core import EngineCore  # noqa: E402
-from services.tokenizer.detokenizer import IncrementalDetokenizer
+from services.tokenizer.detokenizer import IncrementalDetokenizer  # noqa: E402
 from services.tokenizer.pieces import PieceTables  # noqa: E402
 
 Prompt = str | Sequence[int]

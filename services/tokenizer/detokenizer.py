@@ -72,11 +72,12 @@ class IncrementalDetokenizer:
         self._pending: list[int] = []
         self._stream = DecodeStream(skip_special_tokens=self._skip_special)
         self._prompt_residue = ""
+        # With a table, bytes of an unfinished character wait here instead of in _pending.
+        self._bytes = b""
         table = None if pieces is None else pieces.get(self._skip_special)
         self._table = table
         if table is not None:
             self._pieces, self._texts = table.pieces, table.texts
-            self._bytes = b""  # bytes of an unfinished character, held back
             self._step = self._step_table  # type: ignore[method-assign]
         # Prime the stream with the prompt's tail (its text is discarded) so the first output
         # token decodes in context.
@@ -115,7 +116,7 @@ class IncrementalDetokenizer:
 
     def _pending_text(self) -> bool:
         """Whether tokens were stepped whose text is not out yet (an unfinished character)."""
-        return bool(self._bytes) if self._table is not None else bool(self._pending)
+        return bool(self._pending or self._bytes)
 
     def _step_table(self, token_id: int) -> str:
         """_step from the piece table: what DecodeStream gives for a byte-level tokenizer."""

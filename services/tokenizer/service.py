@@ -147,8 +147,7 @@ class TokenizerService:
                     try:
                         texts.append(state.detok.add_token(token))
                     except Exception as e:
-                        deltas.append(self._failed(req_id, e))
-                        stopped.append(req_id)
+                        self._fail(req_id, e, deltas, stopped)
                         continue
                     req_ids.append(req_id)
                     kept.append(token)
@@ -174,8 +173,7 @@ class TokenizerService:
                 try:
                     text = state.detok.add_token(unpack_one_id(item.token_ids))
                 except Exception as e:
-                    deltas.append(self._failed(item.req_id, e))
-                    stopped.append(item.req_id)
+                    self._fail(item.req_id, e, deltas, stopped)
                     continue
                 deltas.append(
                     TextDelta(
@@ -203,21 +201,22 @@ class TokenizerService:
         try:
             delta = self._detokenize_one(state, item)
         except Exception as e:
-            delta = self._failed(item.req_id, e)
-            stopped.append(item.req_id)
-        else:
-            if delta.finish_reason is not None:
-                if item.finish_reason is None:  # stop string: the scheduler still runs it
-                    stopped.append(item.req_id)
-                del self.requests[item.req_id]
+            self._fail(item.req_id, e, deltas, stopped)
+            return
+        if delta.finish_reason is not None:
+            if item.finish_reason is None:  # stop string: the scheduler still runs it
+                stopped.append(item.req_id)
+            del self.requests[item.req_id]
         deltas.append(delta)
 
-    def _failed(self, req_id: str, e: Exception) -> TextDelta:
-        """A request whose text could not be decoded ends with an error (the caller aborts it
-        upstream); the others in the batch go on."""
+    def _fail(self, req_id: str, e: Exception, deltas: list[TextDelta], stopped: list[str]) -> None:
+        """A request whose text could not be decoded ends with an error delta and an abort
+        upstream; the others in the batch go on."""
         log.exception("detokenizing failed", extra={"request_id": req_id})
         self.requests.pop(req_id, None)
-        return TextDelta(req_id, "", b"", finish_reason="abort", error=str(e) or type(e).__name__)
+        stopped.append(req_id)
+        error = str(e) or type(e).__name__
+        deltas.append(TextDelta(req_id, "", b"", finish_reason="abort", error=error))
 
     def _detokenize_one(self, state: _Request, item: RequestTokens) -> TextDelta:
         prompt_ids, state.prompt_ids = state.prompt_ids, None
