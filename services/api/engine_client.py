@@ -32,6 +32,7 @@ from common.messages import (
     TokenizerHeartbeat,
     num_ids,
 )
+from common.protocol import check_peer
 from services.api.delta_queue import DeltaQueue
 from services.api.metrics import LATENCY_BUCKETS, EngineSnapshot, Metrics
 from services.api.protocol import ApiError
@@ -70,6 +71,7 @@ class _Tokenizer:
     requests_served: int
     last_seen: float
     slot: str = ""  # what a restart keeps (--id or the host); the id is per incarnation
+    refused: str | None = None  # why it gets no requests: it runs another stoker build
 
 
 class EngineClient:
@@ -178,7 +180,11 @@ class EngineClient:
         deadline = time.monotonic() + TOKENIZER_WAIT_S
         while True:
             now = time.monotonic()
-            alive = sorted(t for t, s in self.tokenizers.items() if now - s.last_seen < STALE_S)
+            alive = sorted(
+                t
+                for t, s in self.tokenizers.items()
+                if now - s.last_seen < STALE_S and s.refused is None
+            )
             if alive or now >= deadline or self.engine_error is not None:
                 return alive
             await asyncio.sleep(0.05)
@@ -197,7 +203,18 @@ class EngineClient:
                 continue  # it heartbeats but its request socket is gone or not yet connected
             self._next_tokenizer = (self._next_tokenizer + i + 1) % len(alive)
             return
-        raise ApiError("no tokenizer process is available", status=503, type="server_error")
+        message = "no tokenizer process is available"
+        if refused := self._refused_tokenizer():
+            message = f"{message}: {refused}"
+        raise ApiError(message, status=503, type="server_error")
+
+    def _refused_tokenizer(self) -> str | None:
+        """Why a heartbeating tokenizer gets no requests, if one does not."""
+        now = time.monotonic()
+        for t in self.tokenizers.values():
+            if t.refused is not None and now - t.last_seen < STALE_S:
+                return t.refused
+        return None
 
     def _untrack(self, req_id: str) -> _Track | None:
         track = self._tracks.pop(req_id, None)
@@ -305,7 +322,13 @@ class EngineClient:
                     replaced = True
             if replaced:
                 self.fail_lost_tokenizers(now)
-        self.tokenizers[msg.tokenizer_id] = _Tokenizer(msg.pid, msg.requests_served, now, msg.slot)
+        refused = check_peer(f"tokenizer {msg.slot or msg.tokenizer_id}", msg.protocol)
+        known = self.tokenizers.get(msg.tokenizer_id)
+        if refused is not None and (known is None or known.refused is None):
+            log.error("%s", refused)  # once per tokenizer process: it gets no requests
+        self.tokenizers[msg.tokenizer_id] = _Tokenizer(
+            msg.pid, msg.requests_served, now, msg.slot, refused
+        )
 
     async def _lost_tokenizer_loop(self) -> None:
         while True:
@@ -366,6 +389,9 @@ class EngineClient:
                 self._on_stats(msg)
 
     def _on_stats(self, stats: SchedulerStats) -> None:
+        if refused := check_peer("scheduler", stats.protocol):
+            self.engine_lost(refused)  # until a scheduler of this build reports
+            return
         self.stats, self.stats_time = stats, time.monotonic()
         if stats.worker_ready and self.engine_error is not None:
             log.warning("the engine is back: %d KV blocks", stats.num_total_blocks)
@@ -475,8 +501,11 @@ class EngineClient:
         if len(alive) < len(self.tokenizers):
             stale = sorted(set(self.tokenizers) - set(alive))
             return False, f"tokenizers not heartbeating: {', '.join(stale)}"
-        if len(alive) < self.num_tokenizers:
-            return False, f"{len(alive)} of {self.num_tokenizers} tokenizers up"
+        usable = [t for t in alive if self.tokenizers[t].refused is None]
+        if len(usable) < self.num_tokenizers:
+            # One from another build is never sent requests: say so rather than count it.
+            refused = self._refused_tokenizer()
+            return False, refused or f"{len(usable)} of {self.num_tokenizers} tokenizers up"
         if self.stats is None or now - self.stats_time > STALE_S:
             return False, "no recent scheduler stats"
         if not self.stats.worker_ready:
@@ -499,6 +528,7 @@ class EngineClient:
                     "pid": t.pid,
                     "requests": t.requests_served,
                     "age_s": now - t.last_seen,
+                    "refused": t.refused,
                 }
                 for k, t in self.tokenizers.items()
             },

@@ -47,6 +47,7 @@ from common.messages import (
 )
 from common.model_config import ModelConfig
 from common.profiling import Profiler, span
+from common.protocol import PROTOCOL, check_peer
 from common.shutdown import destroy_context_within, exit_on_sigterm, stop_within
 from common.telemetry import BusyTracker, IdleGapAccounting, StepTelemetry
 from common.validation import check_request
@@ -69,6 +70,9 @@ TOKENIZER_HWM = 1_000
 # The api's own deadline for a silent tokenizer is the same (STOKER_TOKENIZER_LOST_S).
 TOKENIZER_STALL_S = 10.0
 BACKLOG_POLL_S = 0.001
+# While a worker from another build is refused, the api hears why this often (it may connect
+# after the refusal).
+REFUSAL_REPEAT_S = 2.0
 EXIT_STALLED = 3  # the worker made no progress for --step-timeout-s
 
 
@@ -178,16 +182,35 @@ class SchedulerService:
         later announces itself unasked. Anything else on the result socket (results for a
         previous scheduler's plans) is dropped. Idempotent: either side may restart."""
         self.incarnation = incarnation = uuid.uuid4().hex
-        await self.plans.send(encoder.encode(SchedulerHello(incarnation)))
+        await self.plans.send(encoder.encode(SchedulerHello(incarnation, PROTOCOL)))
+        refused: str | None = None  # why the worker that answered cannot be served
         while True:
-            raw = await self.results.recv()
+            if refused is None:
+                raw = await self.results.recv()
+            else:
+                try:
+                    raw = await asyncio.wait_for(self.results.recv(), REFUSAL_REPEAT_S)
+                except asyncio.TimeoutError:  # an api that connected since must hear it too
+                    self._send_api(EngineFailure(refused))
+                    continue
             try:
                 msg = worker_outbound_decoder.decode(raw)
             except msgspec.DecodeError:
-                log.warning("dropped a malformed message from the worker")
+                log.warning("dropped a malformed message from the worker (another build?)")
                 continue
             if isinstance(msg, WorkerReady) and msg.incarnation in ("", incarnation):
-                return msg
+                refused = self._refusal(msg)
+                if refused is None:
+                    return msg
+
+    def _refusal(self, ready: WorkerReady) -> str | None:
+        """Why a worker cannot be served (None: it can). One from another build never is: the
+        api is told (its /health and every request say why) until a compatible one appears."""
+        problem = check_peer("worker", ready.protocol)
+        if problem is not None:
+            log.error("%s", problem)
+            self._send_api(EngineFailure(problem))
+        return problem
 
     def _start(self, ready: WorkerReady) -> None:
         self.worker_ready = True
@@ -382,7 +405,10 @@ class SchedulerService:
             if isinstance(msg, WorkerReady) and msg.incarnation != self.incarnation:
                 log.warning("the worker restarted: %d KV blocks", msg.num_blocks)
                 self._fail_all("the worker restarted; the request was lost")
-                self._start(msg)
+                if self._refusal(msg) is None:
+                    self._start(msg)
+                else:  # wait in the handshake for one that is
+                    self.worker_lost.set()
                 self.stats_due.set()
 
     async def _next_result(self, step_id: int) -> StepResult | None:
@@ -411,7 +437,10 @@ class SchedulerService:
                 continue  # its answer to our hello, after it had announced itself unasked
             if isinstance(msg, WorkerReady):
                 self._fail_all("the worker restarted; the request was lost")
-                self._start(msg)
+                if self._refusal(msg) is None:
+                    self._start(msg)
+                else:  # wait in the handshake for one that is
+                    self.worker_lost.set()
                 self.stats_due.set()
                 return None
             if msg.step_id != step_id:
@@ -582,6 +611,7 @@ class SchedulerService:
             model_name=self.model_name,
             telemetry=msgspec.structs.replace(self.telemetry, busy_fraction=self.busy.fraction()),
             spec=self.scheduler.spec.stats if self.scheduler.spec is not None else None,
+            protocol=PROTOCOL,
         )
 
 

@@ -47,6 +47,7 @@ from common.messages import (  # noqa: E402
 from common.model_config import ModelConfig, resolve_max_model_len  # noqa: E402
 from common.model_registry import resolve_model  # noqa: E402
 from common.prompt_tokens import prompt_token_ids  # noqa: E402
+from common.protocol import PROTOCOL  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from common.tokenizer_files import load_tokenizer  # noqa: E402
 from common.validation import check_request  # noqa: E402
@@ -309,7 +310,7 @@ class TokenizerService:
     async def _heartbeat_loop(self, api: zmq.asyncio.Socket) -> None:
         pid = os.getpid()
         while True:
-            beat = TokenizerHeartbeat(self.id, pid, self.num_served, self.slot)
+            beat = TokenizerHeartbeat(self.id, pid, self.num_served, self.slot, PROTOCOL)
             await api.send(encoder.encode(beat))
             await asyncio.sleep(HEARTBEAT_S)
 

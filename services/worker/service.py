@@ -22,6 +22,7 @@ from common.ipc import encoder, plan_decoder
 from common.logs import add_log_format_arg, configure_logging
 from common.messages import ProfileControl, SchedulerHello, WorkerReady
 from common.profiling import Profiler
+from common.protocol import PROTOCOL, check_peer
 from common.shutdown import exit_on_sigterm
 from common.telemetry import plan_ipc_time
 from services.engine_args import add_engine_args, engine_config_from_args
@@ -76,6 +77,8 @@ def _serve(
             if ranks is not None:  # every rank runs every plan and control message
                 ranks.send(raw)
             if isinstance(plan, SchedulerHello):  # a (re)started scheduler: start afresh
+                if problem := check_peer("scheduler", plan.protocol):
+                    log.error("%s", problem)  # the scheduler refuses this worker and says why
                 forget_requests(runner)
                 results.send(encoder.encode(_ready(runner, plan.incarnation)))
                 log.info("answered scheduler %s", plan.incarnation[:8])
@@ -123,6 +126,7 @@ def _ready(runner: ModelRunner, incarnation: str) -> WorkerReady:
         max_model_len=runner.max_model_len,
         vocab_size=runner.model_cfg.vocab_size,
         incarnation=incarnation,
+        protocol=PROTOCOL,
     )
 
 

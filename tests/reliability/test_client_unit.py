@@ -7,6 +7,7 @@ import asyncio
 
 from common.addresses import Addresses
 from common.messages import SchedulerStats, TextBatch, TextDelta, TokenizerHeartbeat, pack_ids
+from common.protocol import PROTOCOL
 from services.api.engine_client import EngineClient, _Track
 
 
@@ -40,14 +41,15 @@ def test_waiting_count_and_admission():
 
 def test_new_incarnation_in_a_slot_fails_the_old_ones_requests_at_once():
     client = _client()
-    client._on_heartbeat(TokenizerHeartbeat("tok-0-aaaa", 10, 0, slot="tok-0"))
+    client._on_heartbeat(TokenizerHeartbeat("tok-0-aaaa", 10, 0, slot="tok-0", protocol=PROTOCOL))
     queue = _track(client, "r1", tokenizer="tok-0-aaaa")
-    client._on_heartbeat(TokenizerHeartbeat("tok-0-bbbb", 10, 0, slot="tok-0"))  # pid 1 again
+    # pid 1 again
+    client._on_heartbeat(TokenizerHeartbeat("tok-0-bbbb", 10, 0, slot="tok-0", protocol=PROTOCOL))
     delta = queue.get_nowait()
     assert delta.error_status == 503 and "tok-0-aaaa" in delta.error
     assert list(client.tokenizers) == ["tok-0-bbbb"] and client.aborts == ["r1"]
     # Two live processes on one host share a default slot (tok-<host>) but not a pid: both stay.
-    client._on_heartbeat(TokenizerHeartbeat("tok-0-cccc", 11, 0, slot="tok-0"))
+    client._on_heartbeat(TokenizerHeartbeat("tok-0-cccc", 11, 0, slot="tok-0", protocol=PROTOCOL))
     assert sorted(client.tokenizers) == ["tok-0-bbbb", "tok-0-cccc"]
 
 
@@ -59,7 +61,7 @@ def test_engine_lost_fails_everything_until_a_ready_worker_is_reported():
         assert q.get_nowait().error_status == 503
     assert client.num_inflight == 0 and client.num_waiting == 0
     assert not client.health()[0] and client.admission_error(1) is not None
-    client._on_stats(SchedulerStats(True, 0, 0, 8, 8, 0.0, 0, 0, 0, 64, "m"))
+    client._on_stats(SchedulerStats(True, 0, 0, 8, 8, 0.0, 0, 0, 0, 64, "m", protocol=PROTOCOL))
     assert client.engine_error is None and client.admission_error(1) is None
 
 

@@ -9,6 +9,7 @@ import msgspec
 
 from common.addresses import Addresses
 from common.messages import SchedulerStats, TextDelta, pack_ids
+from common.protocol import PROTOCOL
 from common.sampling_params import SamplingParams
 from services.api.app import Api
 from services.api.delta_queue import DeltaQueue
@@ -60,7 +61,7 @@ def test_n_choices_are_separate_events(model_path):
 
 
 def _stats(ready: bool = True) -> SchedulerStats:
-    return SchedulerStats(ready, 0, 0, 10, 10, 0.0, 0, 0, 0, 512, "m")
+    return SchedulerStats(ready, 0, 0, 10, 10, 0.0, 0, 0, 0, 512, "m", protocol=PROTOCOL)
 
 
 def test_health_rules(tmp_path):
