@@ -186,9 +186,13 @@ class BlockManager:
     def append_block(self, seq_id: Hashable) -> list[int] | None:
         """allocate_slots for one more block at the end of a held sequence (a decode that
         filled its last block), without the general arithmetic; None if out of blocks."""
-        if not self._free and not self._lru:
+        if self._free:  # _take_block's common case, inline: this runs once a block per decode
+            b = self._free.pop()
+            self._ref[b] = 1
+        elif self._lru:
+            b = self._take_block()
+        else:
             return None
-        b = self._take_block()
         self.seqs[seq_id].blocks.append(b)
         return [b]
 

@@ -21,14 +21,13 @@ class FinishReason(str, enum.Enum):
 
 
 class Request:
-    # The four fields schedule()'s steady-decode loop touches come first, side by side (one or
-    # two cache lines): at hundreds of requests the loop runs with caches the other processes
-    # left cold.
+    # The three fields schedule()'s steady-decode loop touches come first, side by side (one
+    # cache line): at hundreds of requests the loop runs with caches the other processes left
+    # cold.
     __slots__ = (
         "req_id",
         "num_computed_tokens",
         "decode_until",
-        "num_placeholders",
         "token_ids",
         "hash_at_len",
         "prompt_len",
@@ -80,8 +79,6 @@ class Request:
         self.stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        # Tokens being sampled by steps in flight, not yet known here (overlap scheduling).
-        self.num_placeholders = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first admission; -1 = not yet
         self.num_preemptions = 0
         self.needs_full_send = True  # the worker has no state for it (new or preempted)
@@ -98,6 +95,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_placeholders(self) -> int:
+        """Tokens being sampled by steps in flight, not yet known here (overlap scheduling).
+        Derived, not counted, so steady decode keeps one counter per request instead of two: a
+        verify in flight samples one; otherwise each planned position from the last known token
+        on samples one (the last known token's own step samples the next)."""
+        if self.spec_inflight >= 0:
+            return 1
+        return max(0, self.num_computed_tokens - len(self.token_ids) + 1)
 
     @property
     def num_planned_tokens(self) -> int:

@@ -165,19 +165,19 @@ class Scheduler:
             computed = request.num_computed_tokens
             if computed < request.decode_until and steady_ok:
                 add_id(request.req_id)
-                request.num_computed_tokens = computed + 1
-                request.num_placeholders += 1  # it samples
+                request.num_computed_tokens = computed + 1  # it samples: one placeholder more
                 # No block of it is due for keying: a request whose known tokens fill a block
                 # it cannot key yet (the last one's KV not planned) stops below instead.
                 continue
-            budget = budget0 - len(running.req_ids) - extra
-            if budget <= 0:
-                break
+            if not steady_ok:  # (while it holds, the budget has room for every row left)
+                budget = budget0 - len(running.req_ids) - extra
+                if budget <= 0:
+                    break
             if computed == request.decode_until and fast and computed < request.token_limit - 1:
                 # Steady decode at a stop: it has filled its blocks (one more, unless the pool
                 # is out: then the general path below preempts), or a block of its known tokens
                 # waits for keying (done here, as its last KV is planned).
-                held = len(blocks.block_table(request.req_id)) * bs
+                held = len(blocks.seqs[request.req_id].blocks) * bs
                 new_block = blocks.append_block(request.req_id) if computed == held else _NO_BLOCKS
                 if new_block is not None:
                     add_id(request.req_id)
@@ -185,11 +185,12 @@ class Scheduler:
                         patches.append((len(running.req_ids) - 1, 1, new_block, b"", 0))
                         held += bs
                     request.num_computed_tokens = computed + 1
-                    request.num_placeholders += 1
-                    request.decode_until = min(held, request.token_limit - 1)
+                    limit = request.token_limit - 1
+                    request.decode_until = held if held < limit else limit
                     if len(request.token_ids) >= request.hash_at_len:
                         self._key_blocks(request, len(request.token_ids))
                     continue
+            budget = budget0 - len(running.req_ids) - extra
             pending = request.num_planned_tokens - request.num_computed_tokens
             # Prefilling (or recomputing after preemption): a prompt chunk, under the cap.
             prompt_chunk = pending > 1
@@ -364,9 +365,7 @@ class Scheduler:
         # Advance now, not when the result arrives, so the next step can be planned while this
         # one runs (overlap scheduling): a step that reaches the end of the known tokens will
         # sample one, which the next plan already counts on as a placeholder.
-        request.num_computed_tokens += num_tokens
-        if request.num_computed_tokens >= request.num_planned_tokens:  # samples (or verifies)
-            request.num_placeholders += 1
+        request.num_computed_tokens += num_tokens  # reaching the known end: it samples
         # Key the full blocks of known tokens this step computes, for requests planned later.
         self._key_blocks(request, min(request.num_computed_tokens, request.num_tokens))
         pending = request.num_planned_tokens - request.num_computed_tokens
@@ -384,7 +383,6 @@ class Scheduler:
         self.blocks.free(request.req_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.num_placeholders = 0
         request.spec_inflight = -1
         request.decode_until = -1
         request.hash_at_len = 0
@@ -451,7 +449,6 @@ class Scheduler:
                 if update is not None:
                     add_update(update)
                 continue
-            request.num_placeholders -= 1
             ids = request.token_ids
             ids.append(token)
             n = len(ids)
@@ -478,7 +475,6 @@ class Scheduler:
         tokens: list[int],
         logprobs: list[TokenLogprobs | None] | None,
     ) -> RequestUpdate | None:
-        request.num_placeholders -= 1
         if request.spec_inflight >= 0:
             assert self.spec is not None
             drafts, accepted = request.spec_inflight, len(tokens) - 1
