@@ -197,8 +197,8 @@ class BlockManager:
         return [b]
 
     def append_blocks(self, seq_id: Hashable, n: int) -> list[int]:
-        """Up to n more blocks (as many as are free or cached) at the end of a held sequence:
-        room a decode takes ahead."""
+        """Up to n more blocks (as many as are free or cached) at the end of a held sequence,
+        taken as allocate_slots takes them: room a decode reserves ahead."""
         new = [self._take_block() for _ in range(min(n, self.num_free_blocks()))]
         self.seqs[seq_id].blocks.extend(new)
         return new

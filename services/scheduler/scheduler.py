@@ -88,6 +88,10 @@ class Scheduler:
         # blocks, draft ids, draft count); the rest are steady-decode rows.
         self._row_patches: list[tuple[int, int, list[int], bytes, int]] = []
         self._step_id = 0
+        # Spare blocks for decodes (_spare_blocks) this step; whether the last step left a prompt
+        # to compute, whose next chunk must not lose its blocks to them.
+        self._spares_ok = False
+        self._prompt_left = False
         self.num_preemptions = 0
         self.prefix_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_hits = 0  # of those, tokens found
@@ -133,6 +137,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         prefill_left = self.config.prefill_chunk_tokens or budget
         self.blocks.begin_step()
+        self._spares_ok = (
+            not self._prompt_left
+            and len(self.running) * DECODE_SPARE_BLOCKS * SPARE_POOL_SHARE <= self.blocks.num_blocks
+        )
+        self._prompt_left = False
         new_requests: list[NewRequestData] = []
         running = RunningRequestData()
         preempted = False
@@ -172,6 +181,7 @@ class Scheduler:
             if not steady_ok:  # (while it holds, the budget has room for every row left)
                 budget = budget0 - len(running.req_ids) - extra
                 if budget <= 0:
+                    self._prompt_left = True  # (a row not reached may be mid-prompt)
                     break
             if computed == request.decode_until and fast and computed < request.token_limit - 1:
                 # Steady decode at a stop: it has filled its blocks (one more, unless the pool
@@ -195,6 +205,8 @@ class Scheduler:
             pending = request.num_planned_tokens - request.num_computed_tokens
             # Prefilling (or recomputing after preemption): a prompt chunk, under the cap.
             prompt_chunk = pending > 1
+            if prompt_chunk:
+                self._prompt_left = True
             num_tokens = min(pending, budget, prefill_left if prompt_chunk else pending)
             drafts: list[int] | int = 0
             if request.spec_inflight >= 0:
@@ -213,6 +225,7 @@ class Scheduler:
                 victim = running_list.pop()
                 self._preempt(victim)
                 preempted = True
+                self._spares_ok = False  # blocks are short: none to spare this step
                 slack += 1  # a row not reached, or this one
                 if victim is request:
                     break
@@ -264,6 +277,8 @@ class Scheduler:
                 request.first_scheduled_time = now
             self.running.append(request)
             self._emit(request, num_tokens, new_blocks, new_requests, running)
+            if request.num_computed_tokens < request.num_tokens:
+                self._prompt_left = True
             budget -= num_tokens
             prefill_left -= num_tokens
 
@@ -331,12 +346,19 @@ class Scheduler:
         return self.blocks.num_free_blocks() - needed >= self._watermark_blocks
 
     def _spare_blocks(self, request: Request) -> list[int]:
-        """A decode that has just taken a new block also takes up to DECODE_SPARE_BLOCKS more
-        while the pool has room for every running request to do the same (above the admission
-        watermark), so it stops for blocks once every few blocks rather than at each. Spares
-        are taken like any block (a free one, else the least recently used cached one) and are
-        the blocks it would take over the next few dozen steps anyway; never past what its token
-        limit can fill, and freed with the request."""
+        """A row that computes one token and has just taken a new block also takes up to
+        DECODE_SPARE_BLOCKS more, so steady decode stops for blocks once every few blocks rather
+        than at each. They are taken like any block (a free one, else the least recently used
+        cached one) and freed with the request, unkeyed if never filled; never past what its
+        token limit can fill. Only while they cost little:
+        - the prefix cache: spares held (at most DECODE_SPARE_BLOCKS per running request) stay
+          within 1/SPARE_POOL_SHARE of the pool, so the cache loses at most that much room;
+        - preemption: room for every running request to take as many above the admission
+          watermark, no preemption in this step, and no prompt left to compute after the last
+          step (its next chunk must not find its blocks gone).
+        """
+        if not self._spares_ok:
+            return []
         blocks = self.blocks
         room = len(self.running) * (DECODE_SPARE_BLOCKS + 1) + self._watermark_blocks
         if blocks.num_free_blocks() < room:
@@ -541,6 +563,9 @@ _NEVER = 1 << 62  # a hash_at_len no context reaches
 # for a block is the steady-decode loop's costliest row (about 1 us warm, several with the
 # caches other processes leave cold); 3 spares make it one stop per 4 blocks.
 DECODE_SPARE_BLOCKS = 3
+# Spares only while running requests x DECODE_SPARE_BLOCKS x this <= the pool's blocks: what
+# they hold is at most 1/20 of the pool (room the prefix cache gives up while they are held).
+SPARE_POOL_SHARE = 20
 _NO_BLOCKS: list[int] = []  # shared by every steady-decode row of every plan: never mutated
 
 
