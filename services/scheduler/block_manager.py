@@ -196,13 +196,6 @@ class BlockManager:
         self.seqs[seq_id].blocks.append(b)
         return [b]
 
-    def append_blocks(self, seq_id: Hashable, n: int) -> list[int]:
-        """Up to n more blocks (as many as are free or cached) at the end of a held sequence,
-        taken as allocate_slots takes them: room a decode reserves ahead."""
-        new = [self._take_block() for _ in range(min(n, self.num_free_blocks()))]
-        self.seqs[seq_id].blocks.extend(new)
-        return new
-
     def cache_blocks(
         self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int
     ) -> None:

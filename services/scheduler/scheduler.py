@@ -365,7 +365,10 @@ class Scheduler:
             return []
         held = len(blocks.seqs[request.req_id].blocks)
         want = min(DECODE_SPARE_BLOCKS, -(-(request.token_limit - 1) // blocks.block_size) - held)
-        return blocks.append_blocks(request.req_id, want) if want > 0 else []
+        if want <= 0:
+            return []
+        # The room checked above covers them: allocate_slots never comes back short here.
+        return blocks.allocate_slots(request.req_id, (held + want) * blocks.block_size) or []
 
     def _allocate(self, request: Request, num_tokens: int) -> list[int] | None:
         return self.blocks.allocate_slots(request.req_id, request.num_computed_tokens + num_tokens)

@@ -404,12 +404,17 @@ class SchedulerService:
                 return
             if isinstance(msg, WorkerReady) and msg.incarnation != self.incarnation:
                 log.warning("the worker restarted: %d KV blocks", msg.num_blocks)
-                self._fail_all("the worker restarted; the request was lost")
-                if self._refusal(msg) is None:
-                    self._start(msg)
-                else:  # wait in the handshake for one that is
-                    self.worker_lost.set()
-                self.stats_due.set()
+                self._restarted(msg)
+
+    def _restarted(self, ready: WorkerReady) -> None:
+        """A restarted worker announced itself: every request is lost. Serve it on its blocks,
+        or, from another build, wait in the handshake for one that can be served."""
+        self._fail_all("the worker restarted; the request was lost")
+        if self._refusal(ready) is None:
+            self._start(ready)
+        else:
+            self.worker_lost.set()
+        self.stats_due.set()
 
     async def _next_result(self, step_id: int) -> StepResult | None:
         """The result of step_id; None when a restarted worker announced itself instead (every
@@ -436,12 +441,7 @@ class SchedulerService:
             if isinstance(msg, WorkerReady) and msg.incarnation == self.incarnation:
                 continue  # its answer to our hello, after it had announced itself unasked
             if isinstance(msg, WorkerReady):
-                self._fail_all("the worker restarted; the request was lost")
-                if self._refusal(msg) is None:
-                    self._start(msg)
-                else:  # wait in the handshake for one that is
-                    self.worker_lost.set()
-                self.stats_due.set()
+                self._restarted(msg)
                 return None
             if msg.step_id != step_id:
                 log.warning("dropped a result for step %d (waiting for %d)", msg.step_id, step_id)
