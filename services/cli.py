@@ -8,9 +8,9 @@ import sys
 
 SERVICES = {
     "api": "services.api.__main__",
-    "tokenizer": "services.tokenizer.service",
-    "scheduler": "services.scheduler.service",
-    "worker": "services.worker.service",
+    "tokenizer": "services.tokenizer.__main__",
+    "scheduler": "services.scheduler.__main__",
+    "worker": "services.worker.__main__",
 }
 USAGE = """usage: stoker COMMAND [options]
 

@@ -8,14 +8,11 @@ to it by routing id, so no state is shared between tokenizers.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import logging
 import os
 import signal
-import socket
-import uuid
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,7 +27,6 @@ from common.addresses import Addresses  # noqa: E402
 from common.fairness import let_others_run  # noqa: E402
 from common.finish import finish_reason, text_token_ids  # noqa: E402
 from common.ipc import encoder, tokenize_request_decoder, tokenizer_inbound_decoder  # noqa: E402
-from common.logs import add_log_format_arg, configure_logging  # noqa: E402
 from common.messages import (  # noqa: E402
     Abort,
     GenerateRequest,
@@ -327,19 +323,3 @@ def serve(model: str, tokenizer_id: str, max_model_len: int | None = None, slot:
         await service.run(stop)
 
     uvloop.run(main())
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="stoker tokenizer")
-    parser.add_argument("--model", required=True, help="model folder (config.json + tokenizer)")
-    parser.add_argument(
-        "--id", default=None, help="slot name (default: tok-<host>); each process adds its own id"
-    )
-    parser.add_argument("--max-model-len", type=int, default=None)
-    add_log_format_arg(parser)
-    args = parser.parse_args(argv)
-    configure_logging("tokenizer", args.log_format)
-    # The slot survives a restart (compose keeps the hostname); the routing id is fresh per
-    # process, so a restarted tokenizer is a new incarnation (pid 1 in every container).
-    slot = args.id or f"tok-{socket.gethostname()}"
-    serve(args.model, f"{slot}-{uuid.uuid4().hex[:8]}", args.max_model_len, slot)

@@ -7,10 +7,8 @@ straight on; the time spent waiting for a plan is reported as the idle gap.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import signal
 import time
 
 import msgspec
@@ -19,13 +17,10 @@ import zmq
 from common.addresses import Addresses
 from common.config import EngineConfig
 from common.ipc import encoder, plan_decoder
-from common.logs import add_log_format_arg, configure_logging
 from common.messages import ProfileControl, SchedulerHello, WorkerReady
 from common.profiling import Profiler
 from common.protocol import PROTOCOL, check_peer
-from common.shutdown import exit_on_sigterm
 from common.telemetry import plan_ipc_time
-from services.engine_args import add_engine_args, engine_config_from_args
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel.follower import follow
 from services.worker.parallel.ranks import Ranks
@@ -140,17 +135,3 @@ def forget_requests(runner: ModelRunner) -> None:
     """A new scheduler knows none of the old requests, and hands their blocks out afresh."""
     for req_id in list(runner.requests):
         runner.drop_request(req_id)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="stoker worker", description=__doc__)
-    add_engine_args(parser)
-    add_log_format_arg(parser)
-    args = parser.parse_args(argv)
-    configure_logging("worker", args.log_format)
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
-    run_worker(engine_config_from_args(args), Addresses.from_env(), args.profile_dir)
-
-
-if __name__ == "__main__":
-    main()
