@@ -16,7 +16,10 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from common.messages import ProfileControl
 
 log = logging.getLogger("stoker.profiling")
 
@@ -98,3 +101,19 @@ class Profiler:
         self.last_trace = path
         log.warning("%s: profile written to %s", self.process, path)
         return path
+
+
+def control(profiler: Profiler, msg: ProfileControl) -> bool:
+    """Apply a ProfileControl (start or stop); False for an unknown action, which is dropped.
+    A start or stop that fails is logged: a failed trace must not take the process down."""
+    try:
+        if msg.action == "start":
+            profiler.start(msg.num_steps, msg.record_shapes, msg.with_stack)
+        elif msg.action == "stop":
+            profiler.stop()
+        else:
+            log.warning("%s: dropped a profile action %r", profiler.process, msg.action)
+            return False
+    except Exception:
+        log.exception("%s: profile %s failed", profiler.process, msg.action)
+    return True

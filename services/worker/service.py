@@ -18,7 +18,7 @@ from common.addresses import Addresses
 from common.config import EngineConfig
 from common.ipc import encoder, plan_decoder
 from common.messages import ProfileControl, SchedulerHello, WorkerReady
-from common.profiling import Profiler
+from common.profiling import Profiler, control
 from common.protocol import PROTOCOL, check_peer
 from common.telemetry import plan_ipc_time
 from services.worker.model_runner import ModelRunner
@@ -79,7 +79,7 @@ def _serve(
                 log.info("answered scheduler %s", plan.incarnation[:8])
                 continue
             if isinstance(plan, ProfileControl):
-                _control_profiler(profiler, plan)
+                control(profiler, plan)
                 free_at = time.time()  # writing a trace is not the next plan's IPC
                 continue
             plan_ipc_s = plan_ipc_time(plan.sent_at, free_at, time.time())
@@ -100,18 +100,6 @@ def _serve(
         plans.close(linger=0)
         results.close(linger=0)
         ctx.term()
-
-
-def _control_profiler(profiler: Profiler, msg: ProfileControl) -> None:
-    try:
-        if msg.action == "start":
-            profiler.start(msg.num_steps, msg.record_shapes, msg.with_stack)
-        elif msg.action == "stop":
-            profiler.stop()
-        else:
-            log.warning("dropped a profile control with action %r", msg.action)
-    except Exception:  # a failed trace must not take the worker down
-        log.exception("profile %s failed", msg.action)
 
 
 def _ready(runner: ModelRunner, incarnation: str) -> WorkerReady:
