@@ -5,7 +5,13 @@ from __future__ import annotations
 import enum
 import time
 
+import msgspec
+
+from common.messages import TokenLogprobs
 from common.sampling_params import SamplingParams
+
+NOT_STEADY = -1  # a steady_until below every computed count
+NO_VERIFY_IN_FLIGHT = -1  # a spec_inflight no verify has (a verify may carry 0 drafts)
 
 
 class RequestStatus(enum.Enum):
@@ -21,19 +27,18 @@ class FinishReason(str, enum.Enum):
 
 
 class Request:
-    # The three fields schedule()'s steady-decode loop touches come first, side by side (one
-    # cache line): at hundreds of requests the loop runs with caches the other processes left
-    # cold.
+    # The fields the steady loop (steady.py) touches come first, side by side (close together in
+    # memory): at hundreds of requests the loop runs with caches the other processes left cold.
     __slots__ = (
         "req_id",
         "num_computed_tokens",
-        "decode_until",
+        "steady_until",
         "token_ids",
-        "hash_at_len",
+        "next_key_len",
         "prompt_len",
         "params",
         "max_tokens",
-        "token_limit",
+        "max_len",
         "stop_ids",
         "status",
         "num_cached_tokens",
@@ -65,16 +70,15 @@ class Request:
         self.prompt_len = len(prompt_token_ids)
         self.params = params
         self.max_tokens = max_tokens
-        self.token_limit = 0  # the scheduler's: min(prompt_len + max_tokens, max_model_len)
-        # The scheduler's steady-decode fast path (scheduler.py): while num_computed_tokens is
-        # below decode_until, the request decodes one token a step into a block it holds, below
-        # its limit, and at equality it stops (for one more block, or to key one); -1: not in
-        # steady decode.
-        # hash_at_len is the context length at which a block of known tokens may need keying
-        # (never late; early only costs a check). A request in steady decode is always below
-        # it: reaching it stops steady decode at the stop row, which keys the block.
-        self.decode_until = -1
-        self.hash_at_len = 0
+        self.max_len = 0  # the scheduler's: min(prompt_len + max_tokens, max_model_len)
+        # The steady path (steady.py, docs/steady-decode.md): while num_computed_tokens is below
+        # steady_until, the request decodes one token a step into a block it holds, below its
+        # limit, and at equality it stops (for one more block, or to key one).
+        # next_key_len is the context length at which a block of known tokens may need keying
+        # (never late; early only costs a check). A steady request is always below it: reaching
+        # it ends steady decode at the stop row, which keys the block.
+        self.steady_until = NOT_STEADY
+        self.next_key_len = 0
         eos = () if params.ignore_eos else eos_token_ids
         self.stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
         self.status = RequestStatus.WAITING
@@ -85,7 +89,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
-        self.spec_inflight = -1  # drafts in the verify step in flight; -1: no verify in flight
+        self.spec_inflight = NO_VERIFY_IN_FLIGHT  # else: the drafts of the verify in flight
         self.spec_ema: float | None = None  # accepted drafts per verify (EMA); None: no verify yet
         self.spec_paused = 0  # steps in a row planned without drafts for low acceptance
         self.ngram_index = None
@@ -102,7 +106,7 @@ class Request:
         Derived, not counted, so steady decode keeps one counter per request instead of two: a
         verify in flight samples one; otherwise each planned position from the last known token
         on samples one (the last known token's own step samples the next)."""
-        if self.spec_inflight >= 0:
+        if self.spec_inflight != NO_VERIFY_IN_FLIGHT:
             return 1
         return max(0, self.num_computed_tokens - len(self.token_ids) + 1)
 
@@ -135,3 +139,14 @@ class Request:
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+class RequestUpdate(msgspec.Struct, gc=False):
+    """What one step produced for one request: new token(s), and whether it finished. (A
+    struct, not a dataclass: one is made per running request per step, at half the cost.)"""
+
+    req_id: str
+    new_token_ids: list[int]
+    request: Request
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs | None] | None = None

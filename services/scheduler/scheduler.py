@@ -22,8 +22,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import msgspec
-
 from common.messages import (
     NewRequestData,
     RunningRequestData,
@@ -33,8 +31,16 @@ from common.messages import (
     pack_ids,
     unpack_ids,
 )
+from services.scheduler import steady
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import FinishReason, Request, RequestStatus
+from services.scheduler.request import (
+    NO_VERIFY_IN_FLIGHT,
+    NOT_STEADY,
+    FinishReason,
+    Request,
+    RequestStatus,
+    RequestUpdate,
+)
 from services.scheduler.speculation import SpecPolicy
 from services.scheduler.waiting import WaitingQueue
 
@@ -52,20 +58,9 @@ class SchedulerConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
 
 
-class RequestUpdate(msgspec.Struct, gc=False):
-    """What one step produced for one request: new token(s), and whether it finished. (A
-    struct, not a dataclass: one is made per running request per step, at half the cost.)"""
-
-    req_id: str
-    new_token_ids: list[int]
-    request: Request
-    finish_reason: FinishReason | None = None
-    logprobs: list[TokenLogprobs | None] | None = None
-
-
 class Scheduler:
-    # The steady-decode fast paths of schedule() and update(); off, every request takes the
-    # general path (tests compare the two plan for plan).
+    # The steady-decode fast path (steady.py) in schedule() and update(); off, every request
+    # takes the general path (tests/scheduler/test_fast_paths.py compares the two).
     fast_paths = True
 
     def __init__(
@@ -84,9 +79,6 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # for the next plan: worker drops their state
-        # Rows of the running section that _emit filled in this schedule() (row, count, new
-        # blocks, draft ids, draft count); the rest are steady-decode rows.
-        self._row_patches: list[tuple[int, int, list[int], bytes, int]] = []
         self._step_id = 0
         # Spare blocks for decodes (_spare_blocks) this step; whether the last step left a prompt
         # to compute, whose next chunk must not lose its blocks to them.
@@ -102,9 +94,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.req_id in self.requests:
             raise ValueError(f"duplicate request id {request.req_id!r}")
-        # One comparison in the steady-decode path: plan no token at or past this length.
-        limit = min(request.prompt_len + request.max_tokens, self.config.max_model_len)
-        request.token_limit = limit
+        # One comparison in the steady path: plan no token at or past this length.
+        request.max_len = min(request.prompt_len + request.max_tokens, self.config.max_model_len)
         self.requests[request.req_id] = request
         self.waiting.append(request)
 
@@ -134,82 +125,68 @@ class Scheduler:
     # -- planning -------------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        budget = self.config.max_num_batched_tokens
-        prefill_left = self.config.prefill_chunk_tokens or budget
+        """Plan one step (docs/scheduler.md): running requests first, then admissions."""
         self.blocks.begin_step()
         self._spares_ok = (
             not self._prompt_left
             and len(self.running) * DECODE_SPARE_BLOCKS * SPARE_POOL_SHARE <= self.blocks.num_blocks
         )
         self._prompt_left = False
-        new_requests: list[NewRequestData] = []
-        running = RunningRequestData()
-        preempted = False
-        now = time.monotonic()
+        step = _StepDraft(self.config.max_num_batched_tokens, self.config.prefill_chunk_tokens)
+        self._plan_running(step)
+        if not step.preempted:
+            self._admit_waiting(step)
+        steady.fill_running_rows(step.running, step.patches, self.spec is not None)
+        self._step_id += 1
+        plan = StepPlan(
+            step_id=self._step_id,
+            new_requests=step.new_requests,
+            running=step.running,
+            finished_req_ids=self._finished_ids,
+        )
+        self._finished_ids = []
+        return plan
 
+    def _plan_running(self, step: _StepDraft) -> None:
+        """Running requests, in admission order: each asks for all its uncomputed tokens, capped
+        by the budget; one that cannot get blocks preempts the latest admitted."""
         speculate = False
         if self.spec is not None:
             decoding = sum(1 for r in self.running if r.num_output_tokens > 0)
             speculate = self.spec.enabled_for_step(decoding)
-        # The steady-decode path below is the hot loop at hundreds of running requests. A request
-        # whose num_computed_tokens is below its decode_until decodes one token into a block it
-        # already holds, below its limit (set by _emit, cleared by anything that changes that):
-        # it costs an id append and two counter bumps. Its count (1) and new blocks (none) are
-        # filled in for all such rows at once after the loop.
-        running_list = self.running
-        blocks, bs = self.blocks, self.blocks.block_size
-        add_id = running.req_ids.append
         fast = self.fast_paths and not speculate
-        self._row_patches = patches = []
-        # The budget is checked in bulk for steady rows: while `slack` (what would be left if
-        # every row not yet reached took one token) is >= 0, each of them fits. Other rows
-        # compute the exact budget: what the rows emitted so far took, one token each plus
-        # `extra`.
-        budget0, extra = budget, 0
-        slack = budget - len(running_list)
+        ids = step.running.req_ids
+        patches = step.patches
+        # Steady rows (docs/steady-decode.md) check the budget in bulk: while `slack` (what
+        # would be left if every row not yet reached took one token) is >= 0, each fits. Other
+        # rows compute the exact budget: one token per row planned so far, plus `extra`.
+        budget0, extra = step.budget, 0
+        slack = budget0 - len(self.running)
         steady_ok = fast and slack >= 0
-        # A for loop over a list that preemption shortens from the end: popped requests are
-        # simply not reached.
-        for request in running_list:
-            computed = request.num_computed_tokens
-            if computed < request.decode_until and steady_ok:
-                add_id(request.req_id)
-                request.num_computed_tokens = computed + 1  # it samples: one placeholder more
-                # No block of it is due for keying: a request whose known tokens fill a block
-                # it cannot key yet (the last one's KV not planned) stops below instead.
+        # The running list's own iterator: rows that preemption pops off its end are not reached.
+        rows = iter(self.running)
+        while True:
+            if steady_ok:
+                request = steady.next_general_row(rows, ids.append)
+            else:
+                request = next(rows, None)
+            if request is None:
+                break
+            # (While steady_ok holds, the budget has room for every row left.)
+            if not steady_ok and budget0 - len(ids) - extra <= 0:
+                self._prompt_left = True  # (a row not reached may be mid-prompt)
+                break
+            if fast and steady.plan_stop_row(self, request, ids, patches):
                 continue
-            if not steady_ok:  # (while it holds, the budget has room for every row left)
-                budget = budget0 - len(running.req_ids) - extra
-                if budget <= 0:
-                    self._prompt_left = True  # (a row not reached may be mid-prompt)
-                    break
-            if computed == request.decode_until and fast and computed < request.token_limit - 1:
-                # Steady decode at a stop: it has filled its blocks (one more, unless the pool
-                # is out: then the general path below preempts), or a block of its known tokens
-                # waits for keying (done here, as its last KV is planned).
-                held = len(blocks.seqs[request.req_id].blocks) * bs
-                new_block = blocks.append_block(request.req_id) if computed == held else _NO_BLOCKS
-                if new_block is not None:
-                    add_id(request.req_id)
-                    if new_block:
-                        new_block += self._spare_blocks(request)
-                        held += bs * len(new_block)
-                        patches.append((len(running.req_ids) - 1, 1, new_block, b"", 0))
-                    request.num_computed_tokens = computed + 1
-                    limit = request.token_limit - 1
-                    request.decode_until = held if held < limit else limit
-                    if len(request.token_ids) >= request.hash_at_len:
-                        self._key_blocks(request, len(request.token_ids))
-                    continue
-            budget = budget0 - len(running.req_ids) - extra
+            budget = budget0 - len(ids) - extra
             pending = request.num_planned_tokens - request.num_computed_tokens
             # Prefilling (or recomputing after preemption): a prompt chunk, under the cap.
             prompt_chunk = pending > 1
             if prompt_chunk:
                 self._prompt_left = True
-            num_tokens = min(pending, budget, prefill_left if prompt_chunk else pending)
+            num_tokens = min(pending, budget, step.prefill_left if prompt_chunk else pending)
             drafts: list[int] | int = 0
-            if request.spec_inflight >= 0:
+            if request.spec_inflight != NO_VERIFY_IN_FLIGHT:
                 num_tokens = 0  # its token count is unknown until the verify returns
             elif speculate and num_tokens == 1 and not prompt_chunk and request.num_output_tokens:
                 if request.num_placeholders:
@@ -222,9 +199,9 @@ class Scheduler:
                 continue
             new_blocks = self._allocate(request, num_tokens)
             while new_blocks is None:
-                victim = running_list.pop()
+                victim = self.running.pop()
                 self._preempt(victim)
-                preempted = True
+                step.preempted = True
                 self._spares_ok = False  # blocks are short: none to spare this step
                 slack += 1  # a row not reached, or this one
                 if victim is request:
@@ -235,19 +212,22 @@ class Scheduler:
             if new_blocks and num_tokens == 1:
                 new_blocks += self._spare_blocks(request)
             # A running request has been sent in full: its row joins the running section.
-            self._emit(request, num_tokens, new_blocks, new_requests, running, drafts)
+            self._plan_row(request, num_tokens, new_blocks, step, drafts)
             extra += num_tokens - 1
             slack -= num_tokens - 1
             steady_ok = fast and slack >= 0
             if prompt_chunk:
-                prefill_left -= num_tokens
+                step.prefill_left -= num_tokens
+        step.budget = budget0 - len(ids) - extra
 
-        budget = budget0 - len(running.req_ids) - extra
+    def _admit_waiting(self, step: _StepDraft) -> None:
+        """Waiting requests, in arrival order, while budget, seats and blocks above the
+        watermark allow; each takes its prefix-cache hits first."""
+        now = time.monotonic()
         while (
             self.waiting
-            and budget > 0
-            and prefill_left > 0
-            and not preempted
+            and step.budget > 0
+            and step.prefill_left > 0
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
@@ -256,7 +236,7 @@ class Scheduler:
             if hit is None:
                 break  # its prompt's next block is being computed in this step: share it next
             request.num_computed_tokens = hit
-            num_tokens = min(request.num_tokens - hit, budget, prefill_left)
+            num_tokens = min(request.num_tokens - hit, step.budget, step.prefill_left)
             new_blocks = None
             if self._fits_above_watermark(request, hit + num_tokens):
                 new_blocks = self._allocate(request, num_tokens)
@@ -276,55 +256,24 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
             self.running.append(request)
-            self._emit(request, num_tokens, new_blocks, new_requests, running)
+            self._plan_row(request, num_tokens, new_blocks, step)
             if request.num_computed_tokens < request.num_tokens:
                 self._prompt_left = True
-            budget -= num_tokens
-            prefill_left -= num_tokens
+            step.budget -= num_tokens
+            step.prefill_left -= num_tokens
 
-        self._fill_running_rows(running, patches)
-        self._step_id += 1
-        plan = StepPlan(
-            step_id=self._step_id,
-            new_requests=new_requests,
-            running=running,
-            finished_req_ids=self._finished_ids,
-        )
-        self._finished_ids = []
-        return plan
-
-    def _fill_running_rows(self, running: RunningRequestData, patches: list[tuple]) -> None:
-        """The per-row lists of the running section: steady-decode rows take 1 token and no new
-        block (one shared, read-only empty list); rows from _emit take what they recorded."""
-        n = len(running.req_ids)
-        counts = [1] * n
-        new_blocks: list[list[int]] = [_NO_BLOCKS] * n
-        for row, num_tokens, blocks, _, _ in patches:
-            counts[row] = num_tokens
-            new_blocks[row] = blocks
-        running.num_scheduled_tokens = counts
-        running.new_block_ids = new_blocks
-        if self.spec is not None:
-            spec_ids: list[bytes] = [b""] * n
-            num_spec = [0] * n
-            for row, _, _, ids, k in patches:
-                spec_ids[row] = ids
-                num_spec[row] = k
-            running.spec_token_ids = spec_ids
-            running.num_spec_tokens = num_spec
-
-    def _key_blocks(self, request: Request, known: int) -> None:
+    def _key_full_blocks(self, request: Request, known: int) -> None:
         """Key the full blocks among the first `known` tokens, and note the length at which the
         next one fills (a block keyed elsewhere meanwhile only makes that note early)."""
         blocks = self.blocks
         if not blocks.enable_prefix_caching:
-            request.hash_at_len = _NEVER
+            request.next_key_len = _NEVER
             return
         seq = blocks.seqs[request.req_id]
         bs = blocks.block_size
         if known // bs > seq.num_hashed:
             blocks.cache_blocks(request.req_id, request.token_ids, known)
-        request.hash_at_len = (seq.num_hashed + 1) * bs
+        request.next_key_len = (seq.num_hashed + 1) * bs
 
     def _drafts(self, request: Request, budget: int) -> list[int] | int:
         """Draft ids (n-gram) or a draft count (draft model), within max_tokens, the context
@@ -364,7 +313,7 @@ class Scheduler:
         if blocks.num_free_blocks() < room:
             return []
         held = len(blocks.seqs[request.req_id].blocks)
-        want = min(DECODE_SPARE_BLOCKS, -(-(request.token_limit - 1) // blocks.block_size) - held)
+        want = min(DECODE_SPARE_BLOCKS, -(-(request.max_len - 1) // blocks.block_size) - held)
         if want <= 0:
             return []
         # The room checked above covers them: allocate_slots never comes back short here.
@@ -373,18 +322,19 @@ class Scheduler:
     def _allocate(self, request: Request, num_tokens: int) -> list[int] | None:
         return self.blocks.allocate_slots(request.req_id, request.num_computed_tokens + num_tokens)
 
-    def _emit(
+    def _plan_row(
         self,
         request: Request,
         num_tokens: int,
         new_blocks: list[int],
-        new_requests: list[NewRequestData],
-        running: RunningRequestData,
+        step: _StepDraft,
         drafts: list[int] | int = 0,
     ) -> None:
+        """Add a request's row to the plan (in full if the worker holds no state for it) and
+        advance its counters; set whether it is steady from here (docs/steady-decode.md)."""
         if request.needs_full_send:
             request.needs_full_send = False
-            new_requests.append(
+            step.new_requests.append(
                 NewRequestData(
                     req_id=request.req_id,
                     prompt_token_ids=pack_ids(request.prompt_token_ids),
@@ -396,39 +346,38 @@ class Scheduler:
                 )
             )
         else:
-            running.req_ids.append(request.req_id)
-            ids: list[int] | tuple = drafts if isinstance(drafts, list) else ()
+            ids = step.running.req_ids
+            ids.append(request.req_id)
+            draft_ids: list[int] | tuple = drafts if isinstance(drafts, list) else ()
             num_spec = num_tokens - 1 if drafts else 0
             if drafts:
                 request.spec_inflight = num_tokens - 1
-            packed = pack_ids(ids) if ids else b""
-            self._row_patches.append(
-                (len(running.req_ids) - 1, num_tokens, new_blocks, packed, num_spec)
-            )
+            packed = pack_ids(draft_ids) if draft_ids else b""
+            step.patches.append((len(ids) - 1, num_tokens, new_blocks, packed, num_spec))
         # Advance now, not when the result arrives, so the next step can be planned while this
         # one runs (overlap scheduling): a step that reaches the end of the known tokens will
         # sample one, which the next plan already counts on as a placeholder.
         request.num_computed_tokens += num_tokens  # reaching the known end: it samples
         # Key the full blocks of known tokens this step computes, for requests planned later.
-        self._key_blocks(request, min(request.num_computed_tokens, request.num_tokens))
+        self._key_full_blocks(request, min(request.num_computed_tokens, request.num_tokens))
         pending = request.num_planned_tokens - request.num_computed_tokens
-        if request.spec_inflight < 0 and pending == 1:
-            # Steady decode from here: the fast path may take it until it needs a block or
-            # reaches its limit. A block of known tokens waiting for keying (a prompt whose last
-            # token, the one still to compute, ends a block) stops it at once.
+        if request.spec_inflight == NO_VERIFY_IN_FLIGHT and pending == 1:
+            # Steady from here: the fast path may take it until it needs a block or reaches its
+            # limit. A block of known tokens waiting for keying (a prompt whose last token, the
+            # one still to compute, ends a block) stops it at once.
             held = len(self.blocks.block_table(request.req_id)) * self.blocks.block_size
-            request.decode_until = min(held, request.token_limit - 1)
+            request.steady_until = min(held, request.max_len - 1)
             self._stop_at_unkeyed_block(request)
         else:
-            request.decode_until = -1
+            request.steady_until = NOT_STEADY
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request.req_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.spec_inflight = -1
-        request.decode_until = -1
-        request.hash_at_len = 0
+        request.spec_inflight = NO_VERIFY_IN_FLIGHT
+        request.steady_until = NOT_STEADY
+        request.next_key_len = 0
         request.num_preemptions += 1
         request.needs_full_send = True
         self.num_preemptions += 1
@@ -449,7 +398,7 @@ class Scheduler:
         """Apply a step's sampled tokens; return per-request updates (new tokens, finishes)."""
         token_ids = unpack_ids(result.token_ids)  # one C-level conversion per step
         if self.fast_paths and result.counts is None and result.logprobs is None:
-            return self._update_one_token_each(plan, result.req_ids, token_ids)
+            return steady.update_one_token_each(self, plan, result.req_ids, token_ids)
         # Cache first: a request that finishes below frees its blocks, and the blocks it filled
         # in its last step must already be in the prefix cache by then.
         self._cache_computed_blocks(plan)
@@ -471,58 +420,17 @@ class Scheduler:
                 updates.append(update)
         return updates
 
-    def _update_one_token_each(
-        self, plan: StepPlan, req_ids: list[str], token_ids: list[int]
-    ) -> list[RequestUpdate]:
-        """update() for a step where every row sampled one token and none asked for logprobs:
-        the general path with its per-request calls inlined."""
-        if len(req_ids) != plan.num_requests:  # some rows computed a prompt chunk, no token
-            self._cache_computed_blocks(plan)  # the loop below keys only the rows with one
-        updates: list[RequestUpdate] = []
-        add_update = updates.append
-        requests = self.requests
-        max_len = self.config.max_model_len
-        running_status = RequestStatus.RUNNING
-        for req_id, token in zip(req_ids, token_ids):
-            request = requests.get(req_id)
-            if request is None or request.status is not running_status:
-                continue  # aborted or preempted while the step ran: drop the token
-            if request.spec_inflight >= 0:
-                update = self._append(request, [token], None)
-                if update is not None:
-                    add_update(update)
-                continue
-            ids = request.token_ids
-            ids.append(token)
-            n = len(ids)
-            # Key a block as soon as its last token is known and its KV computed or planned
-            # (with overlap, the step in flight computes the token just appended), and before
-            # a finish frees the blocks (once a block: the test keeps the calls off the loop).
-            if n >= request.hash_at_len:
-                self._key_known(request)
-                self._stop_at_unkeyed_block(request)
-            # token_limit is min(prompt + max_tokens, max_model_len): one test for both lengths.
-            if token in request.stop_ids or n >= request.token_limit:
-                reason = request.check_stop(max_len)
-                assert reason is not None
-                self.running.remove(request)
-                self._finish(request, reason)
-                add_update(RequestUpdate(req_id, [token], request, reason))
-            else:
-                add_update(RequestUpdate(req_id, [token], request))
-        return updates
-
     def _append(
         self,
         request: Request,
         tokens: list[int],
         logprobs: list[TokenLogprobs | None] | None,
     ) -> RequestUpdate | None:
-        if request.spec_inflight >= 0:
+        if request.spec_inflight != NO_VERIFY_IN_FLIGHT:
             assert self.spec is not None
             drafts, accepted = request.spec_inflight, len(tokens) - 1
             request.num_computed_tokens -= drafts - accepted  # rejected positions are not valid
-            request.spec_inflight = -1
+            request.spec_inflight = NO_VERIFY_IN_FLIGHT
             self.spec.on_result(request, drafts, accepted)
         max_len = self.config.max_model_len
         reason = None
@@ -542,15 +450,15 @@ class Scheduler:
     def _key_known(self, request: Request) -> None:
         """Key the full blocks of known tokens whose KV is computed or planned."""
         known = min(request.num_computed_tokens, len(request.token_ids))
-        if known >= request.hash_at_len:
-            self._key_blocks(request, known)
+        if known >= request.next_key_len:
+            self._key_full_blocks(request, known)
 
     def _stop_at_unkeyed_block(self, request: Request) -> None:
         """A full block of known tokens that could not be keyed (its last KV not computed or
         planned yet) ends steady decode now: the next plan's stop row keys it as it plans that
-        KV. So steady-decode rows never check for blocks to key."""
-        if len(request.token_ids) >= request.hash_at_len:
-            request.decode_until = min(request.decode_until, request.num_computed_tokens)
+        KV. So steady rows never check for blocks to key."""
+        if len(request.token_ids) >= request.next_key_len:
+            request.steady_until = min(request.steady_until, request.num_computed_tokens)
 
     def _cache_computed_blocks(self, plan: StepPlan) -> None:
         ids = [n.req_id for n in plan.new_requests] + plan.running.req_ids
@@ -561,16 +469,29 @@ class Scheduler:
                 self.blocks.cache_blocks(req_id, request.token_ids, computed)
 
 
-_NEVER = 1 << 62  # a hash_at_len no context reaches
+_NEVER = 1 << 62  # a next_key_len no context reaches
 # Spare blocks a decode takes with each new block when the pool is roomy (_spare_blocks). A stop
-# for a block is the steady-decode loop's costliest row (about 1 us warm, several with the
+# for a block is the steady loop's costliest row (about 1 us warm, several with the
 # caches other processes leave cold); 3 spares make it one stop per 4 blocks.
 DECODE_SPARE_BLOCKS = 3
 # Spares only while running requests x DECODE_SPARE_BLOCKS x this <= the pool's blocks: what
 # they hold is at most 1/20 of the pool (room the prefix cache gives up while they are held).
 SPARE_POOL_SHARE = 20
-_NO_BLOCKS: list[int] = []  # shared by every steady-decode row of every plan: never mutated
 
 
 def _cut(logprobs: list | None, n: int) -> list | None:
     return None if logprobs is None else logprobs[:n]
+
+
+class _StepDraft:
+    """The plan being built by one schedule(), with what is left of the step's budgets."""
+
+    __slots__ = ("budget", "prefill_left", "new_requests", "running", "patches", "preempted")
+
+    def __init__(self, budget: int, prefill_chunk_tokens: int) -> None:
+        self.budget = budget  # tokens; exact only between the two passes (steady rows bulk it)
+        self.prefill_left = prefill_chunk_tokens or budget  # prompt-chunk tokens
+        self.new_requests: list[NewRequestData] = []
+        self.running = RunningRequestData()
+        self.patches: list[steady.RowPatch] = []  # the running rows planned off the steady path
+        self.preempted = False  # no admission in a step that preempted

@@ -108,7 +108,7 @@ def test_steady_rows_past_the_budget_wait() -> None:
         for _ in range(4):  # prefill, decode, one more block: steady decode
             plan = sched.schedule()
             sched.update(plan, worker.execute(plan))
-        assert all(r.num_computed_tokens < r.decode_until for r in sched.running)
+        assert all(r.num_computed_tokens < r.steady_until for r in sched.running)
         sched.config.max_num_batched_tokens = 5
         plans.append(sched.schedule())
     fast, general = plans

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from common.messages import SpecStats, StepPlan, StepResult, num_ids
-from services.scheduler.request import FinishReason, Request, RequestStatus
+from services.scheduler.request import NO_VERIFY_IN_FLIGHT, FinishReason, Request, RequestStatus
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.speculation import SpecPolicy
 from tests import fake_worker
@@ -186,7 +186,7 @@ def check_plan(sched: Scheduler, plan: StepPlan, inflight_verifies: set[str]) ->
     ):
         request = sched.requests[rid]
         if not k:
-            assert not ids_ and request.spec_inflight == -1
+            assert not ids_ and request.spec_inflight == NO_VERIFY_IN_FLIGHT
             continue
         assert 1 <= k <= spec.max_k and num == k + 1
         assert request.spec_inflight == k
@@ -210,9 +210,9 @@ def check_requests(sched: Scheduler, inflight_verifies: set[str]) -> None:
             )
             held = len(sched.blocks.block_table(rid)) * BS
             assert request.num_computed_tokens <= held
-            assert (request.spec_inflight >= 0) == (rid in inflight_verifies)
+            assert (request.spec_inflight != NO_VERIFY_IN_FLIGHT) == (rid in inflight_verifies)
         else:
-            assert request.spec_inflight == -1 and request.num_placeholders == 0
+            assert request.spec_inflight == NO_VERIFY_IN_FLIGHT and request.num_placeholders == 0
             assert request.num_computed_tokens == 0 and not sched.blocks.has_seq(rid)
 
 
@@ -229,7 +229,7 @@ def record(sched: Scheduler, plan: StepPlan, result: StepResult, run: Run) -> No
         request = sched.requests.get(rid)
         if request is None or request.status != RequestStatus.RUNNING:
             continue
-        assert request.spec_inflight == (k if k else -1)
+        assert request.spec_inflight == (k if k else NO_VERIFY_IN_FLIGHT)
         if k:
             run.applied.append((rid, k, count - 1))
     for u in sched.update(plan, result):
