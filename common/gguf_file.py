@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from common.model_config import ModelLoadError
+from common.errors import ModelLoadError
 
 # GGUF architectures served, and the Hugging Face class each becomes.
 GGUF_ARCHITECTURES = {

@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from common.errors import ModelLoadError
+
 # Hugging Face architecture -> kind; services/worker/models/__init__.py maps each kind to its
 # implementation (Llama, Mistral, Qwen2 and Qwen3 share one; the differences are flags below).
 SUPPORTED_ARCHITECTURES = {
@@ -26,10 +28,6 @@ SUPPORTED_ARCHITECTURES = {
 # `layer_types` says otherwise, from layer `max_window_layers` on; MoE: every layer).
 _OPT_IN_WINDOW = {"qwen2": 28, "qwen3": 28, "qwen3_moe": 0}
 _ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu_tanh")
-
-
-class ModelLoadError(ValueError):
-    """The model folder cannot be served; the message says why."""
 
 
 @dataclasses.dataclass(frozen=True)

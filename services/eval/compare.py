@@ -213,13 +213,6 @@ def verdict(
     return PromptVerdict(id, kind, tokenization, output, failures, warnings)
 
 
-def compare_fleet(
-    outputs: Sequence[Output], tol: Tolerances, eos_ids: frozenset[int] = frozenset()
-) -> list[OutputCheck]:
-    """Replica i against replica 0, for every i > 0."""
-    return [compare_outputs(o, outputs[0], tol, eos_ids) for o in outputs[1:]]
-
-
 def odd_ones_out(disagree: Sequence[Sequence[bool]]) -> list[int]:
     """Replicas that disagree with most of the others: disagree[i][j] is True when replicas i
     and j disagree on some prompt. With two replicas both are named (neither can be trusted)."""

@@ -321,9 +321,3 @@ def token_logprobs(
         TokenLogprobs(logprob=c, top_ids=i[:n], top_logprobs=v[:n])
         for c, i, v, n in zip(chosen.tolist(), top_ids.tolist(), top_lp.tolist(), top_n)
     ]
-
-
-def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
