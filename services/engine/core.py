@@ -21,10 +21,10 @@ from common.config import EngineConfig
 from common.ipc import encoder
 from common.messages import StepPlan, StepResult
 from common.sampling_params import SamplingParams
-from common.validation import check_request
+from services.scheduler.admission import Admission
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import Request
-from services.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerConfig
+from services.scheduler.request import RequestUpdate
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from services.scheduler.speculation import SpecPolicy
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel.ranks import Ranks
@@ -60,6 +60,9 @@ class EngineCore:
             self.block_manager,
             SpecPolicy.from_config(config),
         )
+        self.admission = Admission(
+            self.scheduler, self.block_manager, self.max_model_len, self.model_config
+        )
         if overlap is None:
             overlap = self.runner.device.type == "cuda"
         # Tensor-parallel ranks take plans in the order rank 0 runs them: kept serial. An
@@ -72,17 +75,10 @@ class EngineCore:
         self._inflight: collections.deque[tuple[StepPlan, Future[StepResult]]] = collections.deque()
 
     def check(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> int:
-        max_tokens = check_request(
-            prompt_token_ids, params, self.max_model_len, self.model_config.vocab_size
-        )
-        self.block_manager.check_prompt(len(prompt_token_ids))
-        return max_tokens
+        return self.admission.check(prompt_token_ids, params)
 
     def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        max_tokens = self.check(prompt_token_ids, params)
-        self.scheduler.add_request(
-            Request(req_id, prompt_token_ids, params, max_tokens, self.model_config.eos_token_ids)
-        )
+        self.admission.add(req_id, prompt_token_ids, params)
 
     def abort(self, req_id: str) -> bool:
         return self.scheduler.abort(req_id)

@@ -17,7 +17,8 @@ from common.addresses import Addresses
 from common.config import EngineConfig
 from common.messages import GenerateRequest, WorkerReady, pack_ids
 from common.sampling_params import SamplingParams
-from services.scheduler.service import SchedulerService, arrival_monotonic
+from services.scheduler.admission import arrival_monotonic
+from services.scheduler.service import SchedulerService
 from tests.factory import make_model
 from tests.reliability.serve import Served
 
