@@ -1,4 +1,5 @@
-"""Triton kernels against their torch references, on CPU tensors under the triton interpreter.
+"""Triton kernels against their torch references: on CPU tensors under the triton interpreter,
+or compiled on the GPU where CUDA is present (tests/kernels/triton_device.py).
 
 Every case draws its own random inputs (seeded from the case's parameters), and every output or
 scratch buffer the kernels allocate is filled with NaN first, so an element a kernel forgets to
@@ -9,13 +10,13 @@ triton's bundled ptxas), which catches what the interpreter lets through.
 
 from __future__ import annotations
 
-import os
+# First: it picks the device, and sets TRITON_INTERPRET=1 on CPU before any kernel import.
+from tests.kernels.triton_device import DEVICE, ON_CUDA, cpu_only, reference_backend, tensor
 
-# The interpreter is chosen when @triton.jit runs, i.e. when the kernel modules are imported.
-os.environ["TRITON_INTERPRET"] = "1"
-
+# isort: split
 import importlib  # noqa: E402
 import itertools  # noqa: E402
+import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
@@ -38,7 +39,7 @@ from kernels import triton_attention as ta  # noqa: E402
 from kernels import triton_norm_rope as tn  # noqa: E402
 from kernels import triton_sampling as ts  # noqa: E402
 
-if type(ta._decode_kernel).__name__ != "InterpretedFunction":  # imported earlier, compiled mode
+if not ON_CUDA and type(ta._decode_kernel).__name__ != "InterpretedFunction":  # compiled earlier
     ta, tn, ts = importlib.reload(ta), importlib.reload(tn), importlib.reload(ts)
     tact = importlib.reload(tact)
 
@@ -72,7 +73,7 @@ def _gen(*case) -> torch.Generator:
 
 
 def _randn(gen, *shape, dtype=torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen).to(dtype)
+    return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
 
 
 def _paged(gen, lens, block_size, head_dim, dtype=torch.float32, spare_columns=1):
@@ -83,7 +84,11 @@ def _paged(gen, lens, block_size, head_dim, dtype=torch.float32, spare_columns=1
     shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
     kc, vc = _randn(gen, *shape, dtype=dtype), _randn(gen, *shape, dtype=dtype)
     tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width)
-    return kc, vc, tables
+    return kc, vc, tables.to(DEVICE)
+
+
+def _on_device(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(DEVICE) for t in tensors)
 
 
 def _with_slow(default, full):
@@ -109,13 +114,13 @@ def test_store_kv_matches_reference(head_dim, block_size, dtype):
     num_blocks, num_tokens = 6, 23
     shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
     kc, vc = (
-        torch.full(shape, float("nan"), dtype=dtype),
-        torch.full(shape, float("nan"), dtype=dtype),
+        torch.full(shape, float("nan"), dtype=dtype, device=DEVICE),
+        torch.full(shape, float("nan"), dtype=dtype, device=DEVICE),
     )
     # K and V as strided views of one fused projection, as the model produces them.
     qkv = _randn(gen, num_tokens, 3 * NUM_KV_HEADS * head_dim, dtype=dtype)
     _, k, v = qkv.view(num_tokens, 3, NUM_KV_HEADS, head_dim).unbind(1)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(DEVICE)
     want_k, want_v = kc.clone(), vc.clone()
     ref_attn.store_kv(want_k, want_v, k, v, slots)
     ta.store_kv(kc, vc, k, v, slots)
@@ -126,9 +131,9 @@ def test_store_kv_matches_reference(head_dim, block_size, dtype):
 
 def test_store_kv_skips_padding_slots():
     gen = _gen("store-pad")
-    kc, vc = torch.zeros(3, 16, NUM_KV_HEADS, 64), torch.zeros(3, 16, NUM_KV_HEADS, 64)
+    kc, vc = (torch.zeros(3, 16, NUM_KV_HEADS, 64, device=DEVICE) for _ in range(2))
     k, v = _randn(gen, 4, NUM_KV_HEADS, 64), _randn(gen, 4, NUM_KV_HEADS, 64)
-    ta.store_kv(kc, vc, k, v, torch.tensor([5, -1, 40, -1]))
+    ta.store_kv(kc, vc, k, v, tensor([5, -1, 40, -1]))
     flat_k, flat_v = kc.view(-1, NUM_KV_HEADS, 64), vc.view(-1, NUM_KV_HEADS, 64)
     torch.testing.assert_close(flat_k[[5, 40]], k[[0, 2]], rtol=0, atol=0)
     torch.testing.assert_close(flat_v[[5, 40]], v[[0, 2]], rtol=0, atol=0)
@@ -144,7 +149,7 @@ def test_decode_matches_reference(group, head_dim, block_size):
     lens = [1, block_size - 1, block_size + 3, 3 * block_size + 5]
     kc, vc, tables = _paged(gen, lens, block_size, head_dim)
     q = _randn(gen, len(lens), NUM_KV_HEADS * group, head_dim)
-    args = (q, kc, vc, tables, torch.tensor(lens), head_dim**-0.5)
+    args = (q, kc, vc, tables, tensor(lens), head_dim**-0.5)
     torch.testing.assert_close(
         ta.paged_decode_attention(*args), ref_attn.paged_decode_attention(*args), **TOL
     )
@@ -157,7 +162,7 @@ def test_decode_split_k_matches_reference(num_splits, block_n):
     lens = [1, 5, 70, 33]
     kc, vc, tables = _paged(gen, lens, 16, 64, spare_columns=2)
     q = _randn(gen, len(lens), NUM_KV_HEADS * 4, 64)
-    args = (q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), 0.125)
+    args = (q, kc, vc, tables, tensor(lens, dtype=torch.int32), 0.125)
     got = ta.paged_decode_attention(*args, num_splits=num_splits, block_n=block_n)
     torch.testing.assert_close(got, ref_attn.paged_decode_attention(*args), **TOL)
 
@@ -169,7 +174,7 @@ def test_decode_split_k_divides_each_sequence_not_the_table():
     lens = [3, 40, 100]
     kc, vc, tables = _paged(gen, lens, 16, 64, spare_columns=40)
     q = _randn(gen, len(lens), NUM_KV_HEADS * 2, 64)
-    args = (q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), 0.125)
+    args = (q, kc, vc, tables, tensor(lens, dtype=torch.int32), 0.125)
     got = ta.paged_decode_attention(*args, num_splits=6, block_n=16)
     torch.testing.assert_close(got, ref_attn.paged_decode_attention(*args), **TOL)
 
@@ -184,7 +189,7 @@ def test_decode_long_contexts(group, head_dim, block_size, num_splits):
     lens = [517, 1, 300, 2 * block_size, 129, 64 + 7]
     kc, vc, tables = _paged(gen, lens, block_size, head_dim)
     q = _randn(gen, len(lens), NUM_KV_HEADS * group, head_dim)
-    args = (q, kc, vc, tables, torch.tensor(lens), head_dim**-0.5)
+    args = (q, kc, vc, tables, tensor(lens), head_dim**-0.5)
     got = ta.paged_decode_attention(*args, num_splits=num_splits)
     torch.testing.assert_close(got, ref_attn.paged_decode_attention(*args), **TOL)
 
@@ -195,10 +200,10 @@ def test_decode_16bit_inputs(dtype):
     lens = [3, 40, 17]
     kc, vc, tables = _paged(gen, lens, 16, 64, dtype=dtype)
     q = _randn(gen, len(lens), NUM_KV_HEADS * 4, 64, dtype=dtype)
-    got = ta.paged_decode_attention(q, kc, vc, tables, torch.tensor(lens), 0.125)
+    got = ta.paged_decode_attention(q, kc, vc, tables, tensor(lens), 0.125)
     assert got.dtype == dtype
     want = ref_attn.paged_decode_attention(
-        q.float(), kc.float(), vc.float(), tables, torch.tensor(lens), 0.125
+        q.float(), kc.float(), vc.float(), tables, tensor(lens), 0.125
     )
     torch.testing.assert_close(got.float(), want, **TOL_16)
 
@@ -257,9 +262,9 @@ def _varlen_batch(gen, block_size, head_dim, group, dtype=torch.float32):
     q_lens = [n for n, _ in queries_and_contexts]
     lens = [c for _, c in queries_and_contexts]
     kc, vc, tables = _paged(gen, lens, block_size, head_dim, dtype=dtype)
-    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    cu = tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
     q = _randn(gen, sum(q_lens), NUM_KV_HEADS * group, head_dim, dtype=dtype)
-    return q, kc, vc, tables, cu, torch.tensor(lens), max(q_lens)
+    return q, kc, vc, tables, cu, tensor(lens), max(q_lens)
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -283,9 +288,10 @@ def test_varlen_16bit_inputs(dtype):
     q, kc, vc, tables, cu, lens, max_q = _varlen_batch(gen, 16, 64, 4, dtype=dtype)
     got = ta.paged_attention_varlen(q, kc, vc, tables, cu, lens, max_q, 0.125)
     assert got.dtype == dtype
-    want = dispatch.paged_attention_varlen(
-        q.float(), kc.float(), vc.float(), tables, cu, lens, max_q, 0.125
-    )
+    with reference_backend():
+        want = dispatch.paged_attention_varlen(
+            q.float(), kc.float(), vc.float(), tables, cu, lens, max_q, 0.125
+        )
     torch.testing.assert_close(got.float(), want, **TOL_16)
 
 
@@ -356,11 +362,11 @@ def test_rms_norm_float32_weight_on_16bit_input():
 @pytest.mark.parametrize("group, head_dim", [(1, 64), (4, 128), (8, 64)])
 def test_rotary_matches_reference(scaling, group, head_dim):
     gen = _gen("rope", scaling is None, group, head_dim)
-    cos_table, sin_table = ref_rope.rope_cos_sin(
-        ref_rope.rope_inv_freq(head_dim, 500000.0, scaling), 1024
+    cos_table, sin_table = _on_device(
+        *ref_rope.rope_cos_sin(ref_rope.rope_inv_freq(head_dim, 500000.0, scaling), 1024)
     )
     num_tokens = 9
-    positions = torch.randint(0, 1024, (num_tokens,), generator=gen)
+    positions = torch.randint(0, 1024, (num_tokens,), generator=gen).to(DEVICE)
     qkv = _randn(gen, num_tokens, (NUM_KV_HEADS * group + 2 * NUM_KV_HEADS) * head_dim)
     q_size = NUM_KV_HEADS * group * head_dim
     q = qkv[:, :q_size].view(num_tokens, -1, head_dim)  # strided views, as in the model
@@ -377,8 +383,10 @@ def test_rotary_matches_reference(scaling, group, head_dim):
 
 def test_rotary_bfloat16():
     gen = _gen("rope-bf16")
-    cos_table, sin_table = ref_rope.rope_cos_sin(ref_rope.rope_inv_freq(64, 1e4, LLAMA3), 256)
-    positions = torch.randint(0, 256, (6,), generator=gen)
+    cos_table, sin_table = _on_device(
+        *ref_rope.rope_cos_sin(ref_rope.rope_inv_freq(64, 1e4, LLAMA3), 256)
+    )
+    positions = torch.randint(0, 256, (6,), generator=gen).to(DEVICE)
     q = _randn(gen, 6, 8, 64, dtype=torch.bfloat16)
     k = _randn(gen, 6, 2, 64, dtype=torch.bfloat16)
     cos = cos_table[positions].to(torch.bfloat16)
@@ -401,8 +409,10 @@ def test_qk_norm_rotary_matches_the_three_launches(dtype, group, head_dim):
     q = qkv[:, :q_size].view(tokens, kv_heads * group, head_dim)
     k = qkv[:, q_size : q_size + kv_size].view(tokens, kv_heads, head_dim)
     q_w, k_w = (1 + _randn(gen, head_dim) / 4).to(dtype), (1 + _randn(gen, head_dim) / 4).to(dtype)
-    cos_table, sin_table = ref_rope.rope_cos_sin(ref_rope.rope_inv_freq(head_dim, 1e6, None), 64)
-    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    cos_table, sin_table = _on_device(
+        *ref_rope.rope_cos_sin(ref_rope.rope_inv_freq(head_dim, 1e6, None), 64)
+    )
+    positions = torch.randint(0, 64, (tokens,), generator=gen).to(DEVICE)
     cos, sin = cos_table[positions].to(dtype), sin_table[positions].to(dtype)
     got = tn.qk_norm_rotary(q, k, q_w, k_w, 1e-6, cos, sin)
     chain = tn.apply_rotary(tn.rms_norm(q, q_w, 1e-6), tn.rms_norm(k, k_w, 1e-6), cos, sin)
@@ -421,8 +431,9 @@ def test_qk_norm_rotary_matches_the_three_launches(dtype, group, head_dim):
 def test_qk_norm_rotary_refuses_weights_of_another_dtype():
     q, k = torch.zeros(2, 4, 64, dtype=torch.bfloat16), torch.zeros(2, 2, 64, dtype=torch.bfloat16)
     cos = torch.ones(2, 64, dtype=torch.bfloat16)
+    q, k, cos, w = _on_device(q, k, cos, torch.ones(64))
     with pytest.raises(ValueError, match="dtype"):
-        tn.qk_norm_rotary(q, k, torch.ones(64), torch.ones(64), 1e-6, cos, cos)
+        tn.qk_norm_rotary(q, k, w, w, 1e-6, cos, cos)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -452,14 +463,16 @@ def _race_want(probs: torch.Tensor, keys: torch.Tensor) -> list[int]:
 def test_race_sample_matches_the_materialised_noise(rows, vocab, monkeypatch):
     """The fused race draws the torch twin's noise bits, so it picks the same tokens; filtered
     (zero) tokens never win, and a row with one survivor always picks it."""
-    monkeypatch.setattr(ts, "_empty", lambda shape, dtype, device: torch.full(shape, -1))
+    monkeypatch.setattr(
+        ts, "_empty", lambda shape, dtype, device: torch.full(shape, -1, device=device)
+    )
     gen = _gen("race", rows, vocab)
-    probs = torch.rand(rows, vocab, generator=gen) ** 4
+    probs = (torch.rand(rows, vocab, generator=gen) ** 4).to(DEVICE)
     probs[0, : vocab // 2] = 0.0
     if rows > 1:
         probs[1] = 0.0
         probs[1, vocab - 1] = 0.5
-    keys = torch.randint(0, (1 << 63) - 1, (rows,), generator=gen)
+    keys = torch.randint(0, (1 << 63) - 1, (rows,), generator=gen).to(DEVICE)
     got = ts.race_sample(probs, keys).tolist()
     assert got == _race_want(probs, keys)
     assert all(probs[r, t] > 0 for r, t in enumerate(got))
@@ -481,11 +494,12 @@ def test_sampler_race_through_the_triton_kernel_matches_torch():
         SamplingParams(temperature=1.3, min_p=0.05),
     ]
     logits = _randn(_gen("sampler-race"), len(params), vocab) * 3
-    batch = SamplingBatch.make(params, [0, 5, 0, 2], vocab, "cpu")
-    want = Sampler(torch.Generator().manual_seed(3))(logits, batch).token_ids
+    batch = SamplingBatch.make(params, [0, 5, 0, 2], vocab, DEVICE)
+    with reference_backend():
+        want = Sampler(torch.Generator(DEVICE).manual_seed(3))(logits, batch).token_ids
     assert dispatch.race_sample(torch.rand(2, 5), torch.zeros(2, dtype=torch.int64)) is None
     with dispatch.force_triton():
-        got = Sampler(torch.Generator().manual_seed(3))(logits, batch).token_ids
+        got = Sampler(torch.Generator(DEVICE).manual_seed(3))(logits, batch).token_ids
     assert got.tolist() == want.tolist()
 
 
@@ -516,8 +530,10 @@ def test_dispatch_forced_triton_matches_torch_path():
     gen = _gen("dispatch")
     x, residual, weight = _randn(gen, 4, 64), _randn(gen, 4, 64), _randn(gen, 64)
     q, k = _randn(gen, 4, 4, 64), _randn(gen, 4, 2, 64)
-    cos_table, sin_table = ref_rope.rope_cos_sin(ref_rope.rope_inv_freq(64, 1e4, None), 32)
-    positions = torch.tensor([0, 3, 31, 7])
+    cos_table, sin_table = _on_device(
+        *ref_rope.rope_cos_sin(ref_rope.rope_inv_freq(64, 1e4, None), 32)
+    )
+    positions = tensor([0, 3, 31, 7])
     kc, vc, tables = _paged(gen, [20, 7], 16, 64)
     calls = {
         "rms_norm": lambda: dispatch.rms_norm(x, weight, 1e-6),
@@ -528,13 +544,14 @@ def test_dispatch_forced_triton_matches_torch_path():
             q, k, weight, -weight, 1e-6, cos_table[positions], sin_table[positions]
         ),
         "decode": lambda: dispatch.paged_decode_attention(
-            q[:2], kc, vc, tables, torch.tensor([20, 7]), 0.125
+            q[:2], kc, vc, tables, tensor([20, 7]), 0.125
         ),
         "prefill": lambda: dispatch.paged_prefill_attention(q, kc, vc, tables[0], 20, 0.125),
         "causal": lambda: dispatch.causal_attention(q, k, -k, 0.125),
     }
     for name, call in calls.items():
-        want = call()
+        with reference_backend():
+            want = call()
         with dispatch.force_triton():
             got = call()
         torch.testing.assert_close(got, want, **TOL, msg=name)
@@ -569,6 +586,7 @@ def test_package_imports_and_runs_without_triton():
 # -- the whole model -----------------------------------------------------------------------------
 
 
+@cpu_only  # on CUDA the engine runs triton anyway: gpu_check's hf and paths phases
 def test_tiny_model_forced_triton_matches_torch(tmp_path, monkeypatch):
     """Greedy tokens and logprobs of a tiny qwen3 (q/k norm, GQA 4) through the engine, with the
     model's kernels swapped for dispatch's forced onto triton: prefill from 0, chunked prefill

@@ -1,15 +1,16 @@
 """Triton attention with a sliding window and score soft-capping, against the torch references,
-on CPU tensors under the triton interpreter (see test_triton_kernels.py for the set-up)."""
+on CPU tensors under the triton interpreter or compiled on CUDA (tests/kernels/triton_device.py;
+see test_triton_kernels.py for the set-up)."""
 
 from __future__ import annotations
 
-import os
+# First: it picks the device, and sets TRITON_INTERPRET=1 on CPU before any kernel import.
+from tests.kernels.triton_device import DEVICE, ON_CUDA, tensor
 
-# The interpreter is chosen when @triton.jit runs, i.e. when the kernel modules are imported.
-os.environ["TRITON_INTERPRET"] = "1"
-
+# isort: split
 import importlib  # noqa: E402
 import itertools  # noqa: E402
+import os  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -19,7 +20,7 @@ pytest.importorskip("triton")
 from kernels import paged_attention as ref_attn  # noqa: E402
 from kernels import triton_attention as ta  # noqa: E402
 
-if type(ta._decode_kernel).__name__ != "InterpretedFunction":  # imported earlier, compiled mode
+if not ON_CUDA and type(ta._decode_kernel).__name__ != "InterpretedFunction":  # compiled earlier
     ta = importlib.reload(ta)
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -41,7 +42,11 @@ def _paged(gen, lens, block_size, head_dim):
     shape = (num_blocks, block_size, HK, head_dim)
     kc, vc = torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)
     tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width)
-    return kc, vc, tables
+    return kc.to(DEVICE), vc.to(DEVICE), tables.to(DEVICE)
+
+
+def _randn(gen, *shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(DEVICE)
 
 
 @pytest.mark.parametrize("window, softcap", SETTINGS)
@@ -50,8 +55,8 @@ def test_decode(window, softcap, num_splits):
     gen = torch.Generator().manual_seed(1)
     lens = [1, 7, 16, 17, 40, 90]
     kc, vc, tables = _paged(gen, lens, 16, 64)
-    q = torch.randn(len(lens), HK * 4, 64, generator=gen) * 2
-    args = (q, kc, vc, tables, torch.tensor(lens), 0.125, window, softcap)
+    q = _randn(gen, len(lens), HK * 4, 64) * 2
+    args = (q, kc, vc, tables, tensor(lens), 0.125, window, softcap)
     got = ta.paged_decode_attention(*args, num_splits=num_splits, block_n=16)
     torch.testing.assert_close(got, ref_attn.paged_decode_attention(*args), **TOL)
 
@@ -62,7 +67,7 @@ def test_prefill(window, softcap, prefix, chunk):
     gen = torch.Generator().manual_seed(prefix + chunk)
     context = prefix + chunk
     kc, vc, tables = _paged(gen, [context], 16, 64)
-    q = torch.randn(chunk, HK * 2, 64, generator=gen) * 2
+    q = _randn(gen, chunk, HK * 2, 64) * 2
     args = (q, kc, vc, tables[0], context, 0.125, window, softcap)
     want = ref_attn.paged_prefill_attention(*args)
     torch.testing.assert_close(ta.paged_prefill_attention(*args), want, **TOL)
@@ -77,10 +82,10 @@ def test_varlen_and_causal(window, softcap):
     q_and_ctx = [(1, 35), (11, 11), (9, 49), (5, 103)]
     q_lens, lens = [n for n, _ in q_and_ctx], [c for _, c in q_and_ctx]
     kc, vc, tables = _paged(gen, lens, 16, 64)
-    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
-    q = torch.randn(sum(q_lens), HK * 4, 64, generator=gen) * 2
+    cu = tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    q = _randn(gen, sum(q_lens), HK * 4, 64) * 2
     got = ta.paged_attention_varlen(
-        q, kc, vc, tables, cu, torch.tensor(lens), max(q_lens), 0.125, window, softcap
+        q, kc, vc, tables, cu, tensor(lens), max(q_lens), 0.125, window, softcap
     )
     for r in range(len(lens)):
         rows = slice(int(cu[r]), int(cu[r + 1]))
@@ -88,8 +93,8 @@ def test_varlen_and_causal(window, softcap):
             q[rows], kc, vc, tables[r], lens[r], 0.125, window, softcap
         )
         torch.testing.assert_close(got[rows], want, **TOL)
-    k, v = torch.randn(37, HK, 64, generator=gen), torch.randn(37, HK, 64, generator=gen)
-    qc = torch.randn(37, HK * 4, 64, generator=gen) * 2
+    k, v = _randn(gen, 37, HK, 64), _randn(gen, 37, HK, 64)
+    qc = _randn(gen, 37, HK * 4, 64) * 2
     torch.testing.assert_close(
         ta.causal_attention(qc, k, v, 0.125, window, softcap, block_m=16, block_n=16),
         ref_attn.causal_attention(qc, k, v, 0.125, window, softcap),
