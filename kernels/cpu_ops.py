@@ -34,7 +34,7 @@ def _cpu_signature() -> str:
 
 # 512-bit vectors for the loops GCC vectorises itself (norms, rotary): -march=native on an
 # AVX-512 CPU otherwise prefers 256-bit ones, and the bfloat16 norm and rotary ran 1.4-1.5x
-# slower for it (docs/benchmarks.md, eleventh session). CPUs without AVX-512 ignore it.
+# slower for it (docs/benchmarks.md, CPU kernels). CPUs without AVX-512 ignore it.
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"]
 
 
@@ -160,7 +160,7 @@ def use_bf16_pairs() -> bool:
     """Whether bfloat16 linear weights go in `bf16_pairs_linear`'s layout instead of oneDNN's:
     by default where it was built (AVX512-BF16); STOKER_CPU_GEMM=onednn forces oneDNN. On the
     Zen 4 box it ran SmolLM2's bfloat16 layers 2.2-4.8x faster than oneDNN at one row, 1.2-1.6x
-    at 16 and level from 256 up (docs/benchmarks.md, twenty-seventh session)."""
+    at 16 and level from 256 up (docs/benchmarks.md, CPU kernels)."""
     if os.environ.get("STOKER_CPU_GEMM", "auto") == "onednn":
         return False
     module = load()
@@ -173,8 +173,8 @@ def use_panel_linear() -> bool:
     STOKER_CPU_GEMM=panel / onednn forces the choice; by default panels on CPUs whose best ISA
     is AVX2 or AVX-512. On the AVX2 box the panel kernel ran SmolLM2's linear layers 1.4-2.0x
     faster than oneDNN's packed kernel at 1-8 rows and 1.06-1.3x at 32-512; on the AVX-512 Zen 4
-    box 1.8-2.3x at 1-8 rows, 1.3x at 32 and level from 64 up (docs/benchmarks.md, tenth and
-    twelfth sessions)."""
+    box 1.8-2.3x at 1-8 rows, 1.3x at 32 and level from 64 up (docs/benchmarks.md, CPU
+    kernels)."""
     choice = os.environ.get("STOKER_CPU_GEMM", "auto")
     if choice == "onednn":
         return False

@@ -1,7 +1,7 @@
 """silu(gate) * up in one pass over the fused gate_up projection, triton (reference:
 `activation.py`). Torch runs it as two elementwise kernels and an intermediate: five passes
 over [T, inter] against three here, and one launch a layer instead of two, where an eager triton
-or torch launch costs tens of microseconds of host time (docs/benchmarks.md, the H200 runs).
+or torch launch costs tens of microseconds of host time (docs/cuda-graphs.md).
 
 Grid (T, cdiv(inter, BLOCK)). The rounding steps follow the reference: silu in float32 rounded to
 the input dtype, then the product in float32 rounded once. Triton's exp may differ from CUDA's

@@ -15,7 +15,7 @@ them under the triton interpreter.
   arithmetic is float32 with one rounding at the end (the reference rounds each product when
   inputs are 16-bit, so 16-bit results may differ from it by an ulp). `qk_norm_rotary` also
   RMS-normalises each head first (q/k norm), saving two launches a layer: on an H200 a triton
-  launch costs 45-68 us of host time in an eager step (docs/benchmarks.md).
+  launch costs 45-68 us of host time in an eager step (docs/cuda-graphs.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ E_i is the counter-based Exp(1) noise of services/worker/sampling_noise.py (spli
 row's mixed key plus (i + 1) golden-ratio steps, the top 23 bits as an odd 24-bit fraction u,
 E = -log u), computed in registers instead of materialised: the torch twin builds a [rows,
 vocab] int64 tensor through a dozen full passes, which on an H200 cost ~8 ms a step at 256 rows
-of Qwen3's 151,936-token vocabulary (benchmarks/gpu_check.py, first GPU run). Here the probs are
+of Qwen3's 151,936-token vocabulary (docs/cuda-graphs.md). Here the probs are
 read once. The bits match the torch twin's; the log and the division may differ from torch's by
 an ulp, so a near-tie can resolve differently (as it already may between CPU and CUDA).
 

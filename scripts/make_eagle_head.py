@@ -6,7 +6,7 @@ first writes 1,440 distinct user turns itself (services/training/self_chat.py; n
 one of benchmarks/speculative.py's held-out chat prompts; a tenth held out for the model card),
 then answers them, 96 tokens each, and a one-layer bfloat16 head with an 8,192-token draft
 vocabulary trains on its hidden states for 1,000 steps of 8 sequences. On the project's 2-core
-CPU box (2026-12-06) this took 45 minutes in all: 13.0 generating answers and recording hidden
+CPU box this took 45 minutes in all: 13.0 generating answers and recording hidden
 states, 27.5 training, the rest writing the turns and serving the held-out ones for the model
 card. The folder is 14 MB (a 10.5 MB head and the tokenizer files). It also plots the training
 curve.

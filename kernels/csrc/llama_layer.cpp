@@ -3,7 +3,7 @@
 // order and on the same inputs, as the Python layer (services/worker/models/llama.py and
 // layers.Attention), so its output is bit for bit the same. What it removes is the Python
 // between them: module calls, backend dispatch and views cost about 75 us a layer, 2.3 ms of a
-// 17 ms SmolLM2 batch-1 step on the 2-core box (docs/benchmarks.md, twenty-sixth session).
+// 17 ms SmolLM2 batch-1 step on the 2-core box (docs/benchmarks.md, CPU kernels).
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <string>

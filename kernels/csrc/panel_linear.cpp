@@ -3,8 +3,8 @@
 // output columns, [N / 16, K, 16], so a panel is one contiguous stream.
 //
 // Why: at 1-64 rows oneDNN's packed float32 kernel reached 66 GFLOP/s at 32 rows on the 2-core
-// AVX2 box where it does 117-125 on a large GEMM (docs/benchmarks.md, sixth session), and on an
-// AVX-512 Zen 4 box it read the weights at half the bandwidth at 1 row (twelfth session). Here
+// AVX2 box where it does 117-125 on a large GEMM (docs/benchmarks.md, CPU kernels), and on an
+// AVX-512 Zen 4 box it read the weights at half the bandwidth at 1 row (the same page). Here
 // each thread walks whole panels with a register tile that runs down K with one broadcast per row
 // and one load per panel per step, so a panel is read from memory once per chunk of rows and the
 // FMA units, not the loads, set the pace: on AVX2 a 6 x 16 tile (12 accumulators, BLIS's Haswell
@@ -18,7 +18,7 @@
 // bfloat16 rows converted once) and float32 sums, rounded to bfloat16 once at the end. That is
 // the path on CPUs without AVX512-BF16 (the pair kernel, bf16_pairs.cpp, takes the others):
 // there torch's bfloat16 GEMM ran at 17-20 GFLOP/s at every row count on the AVX2 Zen 3 box,
-// against the float32 panels' 60-190 (docs/benchmarks.md, thirtieth session).
+// against the float32 panels' 60-190 (docs/benchmarks.md, CPU kernels).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

@@ -5,7 +5,7 @@
 // to the programmer but not to GCC, whose lowering of over-wide generic vectors moves them
 // through the stack piece by piece. On the AVX2 Zen 3 box the attention kernels written for 16
 // lanes ran prefill at 5 GFLOP/s (torch's SDPA did 33) and decode at 6 GB/s of KV against a
-// 30 GB/s memory floor (docs/benchmarks.md, twenty-ninth session).
+// 30 GB/s memory floor (docs/benchmarks.md, CPU kernels).
 #pragma once
 
 #include <cstdint>

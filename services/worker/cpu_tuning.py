@@ -3,7 +3,7 @@
 glibc returns large freed blocks to the OS (mmap'd allocations above a threshold, and heap
 trimming), so every step re-faults tens of MB of fresh zeroed pages for its temporaries. On a
 12-layer prefill that made steps 3-10x slower and erratic. Keeping freed memory in the process
-(as tcmalloc/jemalloc would) removes it. Measured in docs/benchmarks.md.
+(as tcmalloc/jemalloc would) removes it. Measured: docs/kv-cache.md.
 """
 
 from __future__ import annotations
@@ -67,8 +67,7 @@ def resident_zeros(nbytes: int) -> torch.Tensor:
 
     The KV pool is written a block at a time as requests arrive. Lazily mapped, each new 4 KiB
     page then costs a page fault inside a step: on this project's VM box first touches ran at 5 s
-    per GiB, which was 2 % of an offline run, all in store_kv (docs/benchmarks.md, twenty-fourth
-    session). MAP_POPULATE maps the pool at start-up in one call (0.3 s per GiB there), as
+    per GiB, which was 2 % of an offline run, all in store_kv (docs/kv-cache.md). MAP_POPULATE maps the pool at start-up in one call (0.3 s per GiB there), as
     vLLM's torch.zeros does by writing it. The pool's memory is resident from then on, which is
     what --kv-cache-memory-gb reserves."""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
@@ -90,7 +89,7 @@ def huge_page_arena(nbytes: int) -> torch.Tensor:
     For the weights every step streams: with 4 KiB pages each page of a streamed panel costs a
     TLB miss and stops the hardware prefetcher at its boundary. Against the same panels on 4 KiB
     pages, SmolLM2's linear layers ran 11-13 % faster at 1-8 rows and 1-3 % at 64
-    (docs/benchmarks.md, twenty-fourth session). Pages are mapped when first written."""
+    (docs/benchmarks.md, CPU kernels). Pages are mapped when first written."""
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # THP compiled out: 4 KiB pages, as before

@@ -229,8 +229,7 @@ def test_greedy_speculation_is_exact_in_bfloat16_on_the_native_linears(
     count (tests/kernels/test_bf16_pairs.py, test_panel_linear.py); every other CPU kernel is
     row-wise too, so a verify row is the decode row it stands for and bfloat16 greedy output
     under speculation is the plain run's. (With oneDNN's bfloat16 linears SmolLM2's batch-1
-    n-gram output parted from plain greedy on 5 of 8 chat prompts: docs/benchmarks.md,
-    twenty-seventh session.)"""
+    n-gram output parted from plain greedy on 5 of 8 chat prompts: docs/speculation.md.)"""
     models = spec_models("llama")
     scenario = SCENARIOS[name]
     prompts = scenario.prompts(1)

@@ -63,7 +63,7 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 # The row count oneDNN lays packed weights out for. Any hint gives a blocked layout, where a
 # plain `to_mkldnn()` keeps the row-major one; on the 2-core AVX2 box the blocked layout made 5-
-# and 32-row GEMMs 10-30 % faster and 1 row about the same (docs/benchmarks.md, seventh session).
+# and 32-row GEMMs 10-30 % faster and 1 row about the same (docs/benchmarks.md, CPU kernels).
 ONEDNN_BATCH_HINT = 64
 
 
