@@ -67,8 +67,9 @@ def resident_zeros(nbytes: int) -> torch.Tensor:
 
     The KV pool is written a block at a time as requests arrive. Lazily mapped, each new 4 KiB
     page then costs a page fault inside a step: on this project's VM box first touches ran at 5 s
-    per GiB, which was 2 % of an offline run, all in store_kv (docs/kv-cache.md). MAP_POPULATE maps the pool at start-up in one call (0.3 s per GiB there), as
-    vLLM's torch.zeros does by writing it. The pool's memory is resident from then on, which is
+    per GiB, which was 2 % of an offline run, all in store_kv (docs/kv-cache.md). MAP_POPULATE
+    maps the pool at start-up in one call (0.3 s per GiB there), as vLLM's torch.zeros does by
+    writing it. The pool's memory is resident from then on, which is
     what --kv-cache-memory-gb reserves."""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
     try:
