@@ -35,7 +35,7 @@ from common.messages import (
 )
 from common.sampling_params import SamplingParams
 from common.shutdown import destroy_context_within
-from services.scheduler import service as scheduler_service
+from services.scheduler import tokenizer_outbox
 from services.scheduler.service import SchedulerService
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ async def _unreachable_tokenizer(model, tmp_path) -> None:
         service._add(b"tok-gone", request)  # its tokenizer never connected (or went away)
         assert service.scheduler.num_waiting == 1
         await _routable(service, api)
-        service._send_items({b"tok-gone": [RequestTokens("r-1", pack_ids([9]))]})
+        service.outbox.send_items({b"tok-gone": [RequestTokens("r-1", pack_ids([9]))]})
         assert service.scheduler.num_waiting == 0 and not service.owners
         assert service.blocks.num_free_blocks() == service.blocks.num_blocks
         assert api.poll(5000), "nothing reached the api"
@@ -81,15 +81,15 @@ def test_a_full_tokenizer_queue_holds_batches_in_order(model, tmp_path, monkeypa
     """Small queues on both sides and a tokenizer that reads nothing for a while: the batches
     past its queue wait in the scheduler (nothing is failed or dropped), a later batch queues
     behind them, and once it reads, every batch arrives exactly once and in order."""
-    monkeypatch.setattr(scheduler_service, "TOKENIZER_HWM", 4)
+    monkeypatch.setattr(tokenizer_outbox, "TOKENIZER_HWM", 4)
     asyncio.run(_full_queue(model, tmp_path, stall=False))
 
 
 def test_a_tokenizer_that_takes_nothing_is_failed(model, tmp_path, monkeypatch):
     """The same full queue, but the tokenizer never reads: after TOKENIZER_STALL_S its requests
     fail (the api hears of it, blocks are freed) and nothing stays held."""
-    monkeypatch.setattr(scheduler_service, "TOKENIZER_HWM", 4)
-    monkeypatch.setattr(scheduler_service, "TOKENIZER_STALL_S", 1.0)
+    monkeypatch.setattr(tokenizer_outbox, "TOKENIZER_HWM", 4)
+    monkeypatch.setattr(tokenizer_outbox, "TOKENIZER_STALL_S", 1.0)
     asyncio.run(_full_queue(model, tmp_path, stall=True))
 
 
@@ -113,8 +113,8 @@ async def _full_queue(model, tmp_path, stall: bool) -> None:
         # 16 KB a batch, so that the OS's socket buffers fill too, behind the small queues.
         for i in range(200):
             ids = pack_ids([i] * 4096)
-            service._send_items({b"tok-slow": [RequestTokens("r-1", ids)]})
-        assert b"tok-slow" in service._backlog, "the queue never filled"
+            service.outbox.send_items({b"tok-slow": [RequestTokens("r-1", ids)]})
+        assert b"tok-slow" in service.outbox.backlog, "the queue never filled"
         assert service.owners and service.scheduler.num_waiting == 1  # nothing was failed
         if stall:
             # Flush as the scheduler's loop does, until the tokenizer is failed: that may only
@@ -123,12 +123,12 @@ async def _full_queue(model, tmp_path, stall: bool) -> None:
             while service.owners:
                 assert time.monotonic() < deadline, "a tokenizer that takes nothing was kept"
                 await asyncio.sleep(0.1)
-                held, now = len(service._backlog[b"tok-slow"]), time.monotonic()
-                service._flush_backlog()
-                if service.owners and len(service._backlog[b"tok-slow"]) < held:
+                held, now = len(service.outbox.backlog[b"tok-slow"]), time.monotonic()
+                service.outbox.flush()
+                if service.owners and len(service.outbox.backlog[b"tok-slow"]) < held:
                     moved = now  # its queue took some: it is not stalled yet
             assert time.monotonic() - moved > 1.0, "failed before the deadline"
-            assert not service._backlog
+            assert not service.outbox.backlog
             assert service.scheduler.num_waiting == 0
             assert service.blocks.num_free_blocks() == service.blocks.num_blocks
             assert api.poll(5000), "nothing reached the api"
@@ -138,13 +138,13 @@ async def _full_queue(model, tmp_path, stall: bool) -> None:
         received: list[int] = []
         deadline = time.monotonic() + 60
         while len(received) < 200 and time.monotonic() < deadline:
-            service._flush_backlog()
+            service.outbox.flush()
             while tokenizer.poll(0):
                 batch = tokenizer_inbound_decoder.decode(tokenizer.recv())
                 received += [unpack_ids(item.token_ids)[0] for item in batch.items]
             await asyncio.sleep(0.005)
         assert received == list(range(200))
-        assert not service._backlog and service.owners
+        assert not service.outbox.backlog and service.owners
     finally:
         api.close(linger=0)
         tokenizer.close(linger=0)

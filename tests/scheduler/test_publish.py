@@ -14,6 +14,7 @@ from common.ipc import encoder, tokenizer_inbound_decoder
 from common.messages import GenerateRequest, TokenBatch, TokenLogprobs, WorkerReady, pack_ids
 from common.sampling_params import SamplingParams
 from common.shutdown import destroy_context_within
+from services.scheduler.publish import token_batches
 from services.scheduler.request import FinishReason
 from services.scheduler.scheduler import RequestUpdate
 from services.scheduler.service import SchedulerService
@@ -36,8 +37,6 @@ def test_steady_rows_travel_as_columns_and_the_rest_as_items(model, tmp_path):
             params = SamplingParams(max_tokens=8, logprobs=1 if req_id == "lp" else None)
             service._add(owner, GenerateRequest(req_id, pack_ids([5, 6, 7]), params))
         requests = service.scheduler.requests
-        sent: list[dict[bytes, TokenBatch]] = []
-        service._send_batches = sent.append  # type: ignore[method-assign]
         logprobs = [TokenLogprobs(-0.5, [9], [-0.5])]
 
         def step(tokens: dict[str, list[int]], finished: str = "") -> dict[bytes, TokenBatch]:
@@ -51,11 +50,9 @@ def test_steady_rows_travel_as_columns_and_the_rest_as_items(model, tmp_path):
                 )
                 for req_id, ids in tokens.items()
             ]
-            service._publish(updates)
+            sent = token_batches(updates, service.owners)
             # Through the wire, as the tokenizer gets them.
-            return {
-                r: tokenizer_inbound_decoder.decode(encoder.encode(b)) for r, b in sent[-1].items()
-            }
+            return {r: tokenizer_inbound_decoder.decode(encoder.encode(b)) for r, b in sent.items()}
 
         # First tokens announce their requests: items with the prompt's figures.
         first = step({r: [10] for r in owners})
