@@ -1,4 +1,5 @@
-"""The draft model proposer: a small model in the worker that proposes k tokens per request.
+"""The draft model proposer (services/worker/proposer.py): a small model in the worker that
+proposes k tokens per request.
 
 Its KV cache has its own tensors but the target's block ids, so the scheduler's block accounting
 covers both. It catches up lazily: each proposal first computes whatever tokens it has not seen
@@ -8,6 +9,8 @@ decodes k - 1 more steps. Requests that are not speculating cost it nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import msgspec
 import torch
 
@@ -15,6 +18,7 @@ from common.model_config import ModelConfig, ModelLoadError
 from common.sampling_params import SamplingParams
 from services.worker.kv_sizing import kv_block_bytes
 from services.worker.loader import check_model_folder, load_model
+from services.worker.proposer import Proposal, ProposalItem, Proposer, Zeros
 from services.worker.sampler import SamplingBatch, argmax_rows, filtered_probs
 from services.worker.sampling_noise import MASK63, SEED_MIX, exponential_noise, seeded_noise
 from services.worker.step_inputs import Chunk, build_step_inputs, max_decode_chunk
@@ -22,7 +26,7 @@ from services.worker.step_inputs import Chunk, build_step_inputs, max_decode_chu
 _DRAFT_SALT = 0x5EED_D4AF  # keeps draft noise apart from the target sampler's (seed, position)
 
 
-class Drafter:
+class Drafter(Proposer):
     def __init__(
         self,
         folder: str,
@@ -58,17 +62,23 @@ class Drafter:
             cfg.num_layers, self.block_size, cfg.num_kv_heads, cfg.head_dim, elem_size
         )
 
-    def allocate_kv(self, num_blocks: int, zeros) -> None:
+    def allocate_kv(self, num_blocks: int, zeros: Zeros) -> None:
         shape = (num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
         self.kv_caches = [(zeros(shape), zeros(shape)) for _ in range(self.cfg.num_layers)]
 
     def drop(self, req_id: str) -> None:
         self.computed.pop(req_id, None)
 
-    def propose(
+    def record(
         self,
-        items: list[tuple[str, list[int], list[int], SamplingParams, int, int]],
-    ) -> list[tuple[list[int], torch.Tensor | None]]:
+        chunks: list[Chunk],
+        req_ids: Iterable[str],
+        taps: list[torch.Tensor],
+        decode_chunk: int,
+    ) -> None:
+        """Nothing to keep: it taps no target layer and reads token ids alone."""
+
+    def propose(self, items: list[ProposalItem]) -> list[Proposal]:
         """items: (req_id, known token ids, block ids, params, k, output tokens so far). Returns
         per item the k draft ids and, for sampled requests, their proposal distributions q."""
         drafts: list[list[int]] = [[] for _ in items]

@@ -8,21 +8,136 @@ the scheduler's limits (max_num_batched_tokens tokens over max_num_seqs prefill 
 logits and a sampler pass with every filter and penalty on for max_num_seqs rows) runs against a
 one-block cache, and torch's peak allocation above the weights is what the KV cache must leave
 free. The arithmetic is a pure function so it is tested on CPU.
+
+`size_kv_pool` turns that into the runner's pool: the same block count on every rank, refused
+where a CPU pool would not fit in memory, and max_model_len capped to what the pool holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 
 import torch
 
+from common.config import EngineConfig
+from common.model_config import ModelConfig
 from common.sampling_params import SamplingParams
+from services.worker.cpu_tuning import resident_zeros
 from services.worker.cuda_graphs import GRAPH_OVERHEAD_BYTES
+from services.worker.models.layers import CausalLM
 from services.worker.models.llama import LlamaForCausalLM
+from services.worker.parallel.comm import Communicator
+from services.worker.proposer import Proposer
 from services.worker.sampler import Sampler, SamplingBatch
 from services.worker.step_inputs import Chunk, build_step_inputs
 
+log = logging.getLogger("stoker.worker")
 GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class KVPool:
+    """The sized pool: the scheduler's blocks (the scratch block padded decode rows write to is
+    one more) and the max_model_len they hold."""
+
+    num_blocks: int
+    block_size: int
+    block_bytes: int  # K and V of one block: the target's, plus the proposer's
+    source: str  # the flag, or the profile, the number came from
+    max_model_len: int  # the configured one, capped to the pool's capacity
+
+    def describe(self) -> str:
+        tokens = self.num_blocks * self.block_size
+        gib = self.num_blocks * self.block_bytes / GIB
+        return (
+            f"{self.num_blocks} blocks of {self.block_size} tokens = {tokens} tokens "
+            f"({gib:.2f} GiB, from {self.source}); max_model_len {self.max_model_len}"
+        )
+
+
+def size_kv_pool(
+    config: EngineConfig,
+    model: CausalLM | None,
+    block_bytes: int,
+    max_model_len: int,
+    graph_batch_sizes: list[int],
+    comm: Communicator | None,
+) -> KVPool:
+    """The pool from --num-kv-blocks, else what fits (`_blocks_that_fit`). graph_batch_sizes:
+    the decode batches that will be captured ([] for none)."""
+    if config.num_kv_blocks:
+        num_blocks, source = config.num_kv_blocks, "--num-kv-blocks"
+    else:
+        num_blocks, source = _blocks_that_fit(
+            config, model, block_bytes, max_model_len, graph_batch_sizes
+        )
+    if comm is not None:  # each rank sized its own pool: the scheduler gets one number
+        num_blocks = comm.min_int(num_blocks)
+    if torch.device(config.device).type == "cpu" and not config.null_model:
+        check_cpu_pool_fits((num_blocks + 1) * block_bytes, memory_available_bytes(), source)
+    capacity = num_blocks * config.block_size
+    if capacity < max_model_len:
+        # A lone request must always fit in the pool, or preemption could never make room.
+        log.warning(
+            "KV cache holds %d tokens; capping max_model_len %d to it", capacity, max_model_len
+        )
+        max_model_len = capacity
+    return KVPool(num_blocks, config.block_size, block_bytes, source, max_model_len)
+
+
+def _blocks_that_fit(
+    config: EngineConfig,
+    model: CausalLM | None,
+    block_bytes: int,
+    max_model_len: int,
+    graph_batch_sizes: list[int],
+) -> tuple[int, str]:
+    """(blocks, where the number came from), leaving room for the scratch block."""
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        blocks = cpu_kv_blocks(config.kv_cache_memory_gb, block_bytes) - 1
+        return max(1, blocks), f"--kv-cache-memory-gb {config.kv_cache_memory_gb}"
+    profile = profile_gpu_memory(
+        model,
+        device=device,
+        block_size=config.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        graph_batch_sizes=graph_batch_sizes,
+    )
+    utilization = config.gpu_memory_utilization
+    blocks = gpu_kv_blocks(profile, utilization, block_bytes) - 1
+    return max(1, blocks), profile.describe(utilization)
+
+
+def pool_block_bytes(
+    cfg: ModelConfig,
+    block_size: int,
+    kv_heads: int,
+    dtype: torch.dtype,
+    proposer: Proposer | None,
+) -> int:
+    """K and V of one block over the target's layers (kv_heads: this rank's) and the
+    proposer's, whose cache has as many blocks as the target's."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    # The null model sizes its (unallocated) pool as the real model would, so the scheduler
+    # sees the same number of blocks.
+    size = kv_block_bytes(cfg.num_layers, block_size, kv_heads, cfg.head_dim, elem)
+    if proposer is not None:
+        size += proposer.kv_block_bytes(elem)
+    return size
+
+
+def kv_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed KV memory, mapped at start-up (`resident_zeros`). Zeros (not garbage) matter:
+    masked-out slots must not hold NaNs that 0 * NaN would spread."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    return resident_zeros(nbytes).view(dtype).view(shape)
 
 
 def kv_block_bytes(

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.engine import LLM, SamplingParams
+from services.worker.eagle.proposer import EagleProposer
 from tests.spec.eagle_heads import head_factory, oracle_pair
 from tests.spec.fakes import spec_stats
 from tests.spec.spec_models import SpecModels
@@ -74,7 +75,7 @@ def test_greedy_with_eagle_head_is_exact(
         assert scheduler.num_preemptions > 0
     if name == "prefix":
         assert scheduler.prefix_hits > 0
-    assert got.llm.engine.runner.eagle is not None
+    assert isinstance(got.llm.engine.runner.proposer, EagleProposer)
 
 
 @pytest.mark.parametrize("arch, name", [("llama", "mixed"), ("qwen3", "prefix")])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from common.config import EngineConfig
+from services.worker.drafter import Drafter
 from services.worker.kv_sizing import (
     GIB,
     GpuMemoryProfile,
@@ -98,8 +99,8 @@ def test_draft_cache_counts_against_the_pool(model_path):
     # The draft is the model itself here: twice the bytes per block, about half the blocks.
     assert with_draft.num_blocks == int(0.01 * GIB // (2 * kv_block_bytes(2, 16, 2, 16, 4))) - 1
     assert with_draft.num_blocks < alone.num_blocks
-    assert with_draft.drafter is not None
-    assert with_draft.drafter.kv_caches[0][0].shape[0] == with_draft.num_blocks
+    assert isinstance(with_draft.proposer, Drafter)
+    assert with_draft.proposer.kv_caches[0][0].shape[0] == with_draft.num_blocks
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="profiling reads CUDA memory stats")

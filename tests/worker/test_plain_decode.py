@@ -1,4 +1,4 @@
-"""The runner's plain decode step (`ModelRunner._execute_plain_decode`: one token for each running
+"""The runner's plain decode step (services/worker/plain_decode.py: one token for each running
 request, laid out from arrays instead of per-request Scheduled and Chunk objects) against the
 general path it short-cuts. Each case generates twice on the same weights and seed, once with
 the plain path refused, and compares every token, logprob and top id; the plain path must have
@@ -11,7 +11,7 @@ import random
 import pytest
 
 from services.engine import LLM, SamplingParams
-from services.worker.model_runner import ModelRunner
+from services.worker import model_runner
 from tests.factory import make_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models
@@ -31,18 +31,18 @@ def _generate(path, prompts, params, plain: bool, **options):
     """Outputs, and how many steps took the plain path and how many did not."""
     options = dict(num_kv_blocks=256, block_size=4, max_model_len=128) | options
     llm = LLM(str(path), **options)
-    runner: ModelRunner = llm.engine.runner
-    refuse = runner._plain_decode_states
+    refuse = model_runner.steady_states
     taken = {"plain": 0, "general": 0}
 
-    def counted(plan):
-        states = refuse(plan) if plain else None
+    def counted(plan, requests, proposer):
+        states = refuse(plan, requests, proposer) if plain else None
         if plan.new_requests or plan.running.req_ids:
             taken["plain" if states is not None else "general"] += 1
         return states
 
-    runner._plain_decode_states = counted
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_runner, "steady_states", counted)
+        outs = llm.generate(prompts, params, use_tqdm=False)
     blocks = llm.engine.block_manager
     blocks.check_invariants()
     assert blocks.num_free_blocks() == blocks.num_blocks

@@ -1,4 +1,5 @@
-"""The EAGLE proposer: the head drafts k tokens per request from the target's hidden states.
+"""The EAGLE proposer (services/worker/proposer.py): the head drafts k tokens per request from
+the target's hidden states.
 
 Like the draft model (services/worker/drafter.py) it keeps its own paged KV on the target's
 block ids and catches up lazily, at the next proposal, on what it has not seen. Unlike it, it
@@ -12,25 +13,24 @@ decides the output.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from common.model_config import ModelConfig, ModelLoadError
-from common.sampling_params import SamplingParams
 from services.worker.drafter import _DRAFT_SALT, _proposal_params, choose_drafts
 from services.worker.eagle.config import EagleConfig
 from services.worker.eagle.head import load_head
 from services.worker.kv_sizing import kv_block_bytes
 from services.worker.models.layers import CausalLM, linear, pack_weights
+from services.worker.proposer import Proposal, ProposalItem, Proposer, Zeros
 from services.worker.sampler import argmax_rows
 from services.worker.sampling_noise import MASK63, SEED_MIX
 from services.worker.step_inputs import Chunk, build_step_inputs, max_decode_chunk
 
-Item = tuple[str, list[int], list[int], SamplingParams, int, int]
 
-
-class EagleProposer:
+class EagleProposer(Proposer):
     def __init__(
         self,
         folder: str | Path,
@@ -82,13 +82,13 @@ class EagleProposer:
         assert self.head.d2t is not None
         return self.head.d2t[argmax_rows(linear(normed, self.draft_lm_head))]
 
-    # -- the same surface as Drafter -----------------------------------------------------------
+    # -- the rest of the Proposer surface ----------------------------------------------------------
 
     def kv_block_bytes(self, elem_size: int) -> int:
         c = self.cfg.layer_cfg
         return kv_block_bytes(c.num_layers, self.block_size, c.num_kv_heads, c.head_dim, elem_size)
 
-    def allocate_kv(self, num_blocks: int, zeros) -> None:
+    def allocate_kv(self, num_blocks: int, zeros: Zeros) -> None:
         c = self.cfg.layer_cfg
         shape = (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         self.kv_caches = [(zeros(shape), zeros(shape)) for _ in range(c.num_layers)]
@@ -108,7 +108,7 @@ class EagleProposer:
     def record(
         self,
         chunks: list[Chunk],
-        req_ids: list[str],
+        req_ids: Iterable[str],
         taps: list[torch.Tensor],
         decode_chunk: int,
     ) -> None:
@@ -143,7 +143,7 @@ class EagleProposer:
 
     # -- proposing -----------------------------------------------------------------------------
 
-    def propose(self, items: list[Item]) -> list[tuple[list[int], torch.Tensor | None]]:
+    def propose(self, items: list[ProposalItem]) -> list[Proposal]:
         """items: (req_id, known token ids, block ids, params, k, output tokens so far), as for
         Drafter.propose. A chain of k drafts: step 0 catches up and drafts from the target's
         features; each later step feeds the head's own output stream back as the feature."""
