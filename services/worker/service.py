@@ -74,7 +74,7 @@ def _serve(
             if isinstance(plan, SchedulerHello):  # a (re)started scheduler: start afresh
                 if problem := check_peer("scheduler", plan.protocol):
                     log.error("%s", problem)  # the scheduler refuses this worker and says why
-                forget_requests(runner)
+                runner.forget_requests()
                 results.send(encoder.encode(_ready(runner, plan.incarnation)))
                 log.info("answered scheduler %s", plan.incarnation[:8])
                 continue
@@ -117,9 +117,3 @@ def _rank_died(pid: int, code: int) -> None:
     """A rank's collectives would hang or fail from now on: end the worker, a fault the launcher
     and the scheduler already handle."""
     os._exit(1)
-
-
-def forget_requests(runner: ModelRunner) -> None:
-    """A new scheduler knows none of the old requests, and hands their blocks out afresh."""
-    for req_id in list(runner.requests):
-        runner.drop_request(req_id)

@@ -13,6 +13,7 @@ import sys
 from common.config import EngineConfig
 from common.ipc import plan_decoder
 from common.messages import ProfileControl, SchedulerHello
+from services.worker.model_runner import ModelRunner
 from services.worker.parallel.plan_channel import PlanChannel
 from services.worker.parallel.ranks import (
     ENV_CONFIG,
@@ -23,18 +24,17 @@ from services.worker.parallel.ranks import (
     connect,
     rank_config,
 )
+from services.worker.warmup import warm_up
 
 log = logging.getLogger("stoker.worker")
 
 
-def follow(runner, plans: PlanChannel) -> None:  # noqa: ANN001 - a ModelRunner
+def follow(runner: ModelRunner, plans: PlanChannel) -> None:
     """Until rank 0 says stop or goes away."""
-    from services.worker.service import forget_requests
-
     while (raw := plans.recv()) is not None:
         msg = plan_decoder.decode(raw)  # rank 0 decoded it already: it is well formed
         if isinstance(msg, SchedulerHello):
-            forget_requests(runner)
+            runner.forget_requests()
         elif isinstance(msg, ProfileControl):
             continue  # only rank 0 profiles
         else:
@@ -53,9 +53,6 @@ def main() -> None:
     config = EngineConfig(**{k: v for k, v in raw.items() if k in fields})
     rank, local_rank = int(os.environ[ENV_RANK]), int(os.environ[ENV_LOCAL_RANK])
     config = rank_config(config, local_rank)
-    from services.worker.model_runner import ModelRunner
-    from services.worker.warmup import warm_up
-
     comm = connect(config, rank)
     plans = PlanChannel(comm, config.master_addr, config.nnodes == 1)
     runner = ModelRunner(config, comm)
