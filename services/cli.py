@@ -28,19 +28,20 @@ commands:
 
 
 def _generate(argv: list[str]) -> int:
-    from services.engine_args import add_engine_args, engine_config_from_args
+    from common.config import EngineConfig
+    from common.config_args import add_flags, from_args
 
     parser = argparse.ArgumentParser(prog="stoker generate")
     parser.add_argument("prompts", nargs="*", default=["ROMEO:"])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
-    add_engine_args(parser)
+    add_flags(parser, EngineConfig)
     args = parser.parse_args(argv)
     import dataclasses
 
     from services.engine import LLM, SamplingParams
 
-    config = engine_config_from_args(args)
+    config = from_args(EngineConfig, args)
     llm = LLM(**dataclasses.asdict(config))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     for out in llm.generate(args.prompts, params):

@@ -25,10 +25,14 @@ import urllib.request
 from dataclasses import dataclass
 
 from common.addresses import Addresses, private_dir
+from common.config import EngineConfig
+from common.config_args import add_flags, flag, from_args, to_json
 from common.logs import add_log_format_arg, configure_logging
-from services.api.__main__ import add_request_log_args, add_safety_args
-from services.engine_args import add_engine_args, engine_args_to_argv
-from services.fleet.plan import add_fleet_args, wants_fleet
+from common.shutdown import StopSignals, stop_processes
+from services.api.app import ApiConfig
+from services.fleet.plan import FleetConfig, wants_fleet
+from services.scheduler.__main__ import SchedulerServiceConfig
+from services.tokenizer.__main__ import TokenizerConfig
 
 HEALTH_TIMEOUT_S = 300.0
 ENGINE = ("worker", "scheduler")
@@ -56,74 +60,55 @@ class Child:
     restart_at: float | None = None  # a dead tokenizer waiting out its backoff
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    parser = parser or argparse.ArgumentParser(prog="stoker serve")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--tokenizers", type=int, default=1, help="tokenizer processes")
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024)
-    parser.add_argument("--no-overlap", action="store_true", help="disable overlap scheduling")
-    parser.add_argument(
-        "--frontend-nice",
-        type=int,
-        default=10,
+@dataclass
+class LauncherConfig:
+    """`stoker serve`'s own flags; the rest are its children's (their config classes)."""
+
+    tokenizers: int = flag(1, "tokenizer processes")
+    frontend_nice: int = flag(
+        10,
+        "niceness added to the api and tokenizer processes (0: same as the engine)",
         choices=range(20),
         metavar="0..19",
-        help="niceness added to the api and tokenizer processes (0: same as the engine)",
     )
-    parser.add_argument(
-        "--run-dir", default=None, help="where ipc sockets live (default: a private temp dir)"
-    )
-    add_safety_args(parser)
-    add_request_log_args(parser)
-    add_engine_args(parser)
+    run_dir: str | None = flag(None, "where ipc sockets live (default: a private temp dir)")
+
+
+# The api's flags that `stoker serve` sets itself, or takes from the engine's.
+_API_OWN = {"model", "num_tokenizers", "max_model_len", "profile_dir"}
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="stoker serve")
+    add_flags(parser, ApiConfig, skip=_API_OWN)
+    add_flags(parser, LauncherConfig)
+    add_flags(parser, SchedulerServiceConfig, only={"no_overlap"})
+    add_flags(parser, EngineConfig)
     add_log_format_arg(parser)
-    add_fleet_args(parser)
+    add_flags(parser, FleetConfig)
     return parser
 
 
 def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
-    py = [sys.executable, "-m"]
-    engine = engine_args_to_argv(args)
-    scheduler = py + ["services.scheduler", *engine, "--step-timeout-s", str(args.step_timeout_s)]
-    if args.no_overlap:
-        scheduler.append("--no-overlap")
-    api = py + [
-        "services.api",
-        "--model", args.model,
-        "--host", args.host,
-        "--port", str(args.port),
-        "--num-tokenizers", str(args.tokenizers),
-        "--max-request-bytes", str(args.max_request_bytes),
-        "--max-n", str(args.max_n),
-        "--max-queued-requests", str(args.max_queued_requests),
-        "--shutdown-timeout", str(args.shutdown_timeout),
-        "--step-timeout-s", str(args.step_timeout_s),
-    ]  # fmt: skip
-    if args.request_timeout_s is not None:
-        api += ["--request-timeout-s", str(args.request_timeout_s)]
-    if args.protect_metrics:
-        api.append("--protect-metrics")
-    if args.log_requests:
-        api += ["--log-requests", os.path.abspath(args.log_requests)]
-        api += ["--log-requests-max-bytes", str(args.log_requests_max_bytes)]
-        api += ["--log-requests-max-files", str(args.log_requests_max_files)]
-        if args.log_requests_text:
-            api.append("--log-requests-text")
-    if args.profile_dir:  # the worker and scheduler get it with the engine flags
-        api += ["--profile-dir", os.path.abspath(args.profile_dir)]
-    if args.served_model_name:
-        api += ["--served-model-name", args.served_model_name]
-    if args.max_model_len:
-        api += ["--max-model-len", str(args.max_model_len)]
-    tokenizer = py + ["services.tokenizer", "--model", args.model]
-    if args.max_model_len:
-        tokenizer += ["--max-model-len", str(args.max_model_len)]
-    cmds = [("worker", py + ["services.worker", *engine]), ("scheduler", scheduler)]
-    cmds += [(f"tokenizer-{i}", tokenizer + ["--id", f"tok-{i}"]) for i in range(args.tokenizers)]
-    cmds.append(("api", api))
+    """Each child's command: its module and its whole config as one JSON object. The API key
+    is no part of it: the api reads it from the environment (serve sets it there)."""
+    engine = from_args(EngineConfig, args)
+    api = from_args(ApiConfig, args, num_tokenizers=args.tokenizers)
+    tokenizers = [from_args(TokenizerConfig, args, id=f"tok-{i}") for i in range(args.tokenizers)]
+    scheduler = from_args(SchedulerServiceConfig, args, engine=engine)
+    cmds = [
+        ("worker", _command("services.worker", engine)),
+        ("scheduler", _command("services.scheduler", scheduler)),
+    ]
+    cmds += [
+        (f"tokenizer-{i}", _command("services.tokenizer", t)) for i, t in enumerate(tokenizers)
+    ]
+    cmds.append(("api", _command("services.api", api)))
     return cmds
+
+
+def _command(module: str, config: object) -> list[str]:
+    return [sys.executable, "-m", module, "--config-json", to_json(config)]
 
 
 def _healthy(url: str) -> bool:
@@ -134,7 +119,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, commands: list[tuple[str, list[str]]]) -> int:
     if args.run_dir:
         run_dir = str(private_dir(args.run_dir))
     else:
@@ -144,58 +129,56 @@ def serve(args: argparse.Namespace) -> int:
     if args.api_key:  # by environment, not argv: the command line is world-readable in /proc
         env["STOKER_API_KEY"] = args.api_key
     children: list[Child] = []
-    stopping = False
-
-    def on_signal(signum: int, _frame) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
     started = time.monotonic()
     exit_code = 0
-    try:
-        for name, cmd in _commands(args):
-            children.append(Child(name, cmd, _spawn(name, cmd, env, args.frontend_nice)))
-        health = f"http://{args.host}:{args.port}/health"
-        announced = False
-        while not stopping:
-            dead = [c for c in children if c.proc.poll() is not None]
-            fatal = [c for c in dead if not c.name.startswith("tokenizer")]
-            for c in dead:
-                if c.restart_at is None:  # said once, not on every poll of its backoff
-                    _say(f"{c.name} exited with code {c.proc.returncode}")
-            if fatal:
-                if any(c.name in ENGINE for c in fatal):
-                    _engine_lost(children)
-                exit_code = 1
-                break
-            for c in dead:  # tokenizers: a new incarnation in the same slot
-                _restart(c, env, args.frontend_nice, time.monotonic())
-            if not announced:
-                if _healthy(health):
-                    announced = True
-                    took = time.monotonic() - started
-                    _say(
-                        f"serving {args.model} on http://{args.host}:{args.port} "
-                        f"(ready in {took:.1f}s)",
-                        logging.INFO,
-                        to_stdout=True,
-                    )
-                elif time.monotonic() - started > HEALTH_TIMEOUT_S:
-                    _say("/health did not turn green in time", logging.ERROR)
-                    exit_code = 1
-                    break
-            time.sleep(0.2)
-    finally:
-        _stop_all(children, drain_s=args.shutdown_timeout if exit_code == 0 else 0.0)
-        shutil.rmtree(run_dir, ignore_errors=True)
-        # Stopped: a repeated SIGTERM or Ctrl-C has nothing left to do. Ignored, not left to
-        # on_signal, because interpreter shutdown resets Python-level handlers to the default,
-        # and a signal landing then killed the finished launcher (exit -15 instead of 0).
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with StopSignals() as signals:
+        try:
+            for name, cmd in commands:
+                children.append(Child(name, cmd, _spawn(name, cmd, env, args.frontend_nice)))
+            exit_code = _supervise(args, children, env, started, signals)
+        finally:
+            _stop_all(children, drain_s=args.shutdown_timeout if exit_code == 0 else 0.0)
+            shutil.rmtree(run_dir, ignore_errors=True)
     return exit_code
+
+
+def _supervise(
+    args: argparse.Namespace,
+    children: list[Child],
+    env: dict[str, str],
+    started: float,
+    signals: StopSignals,
+) -> int:
+    """Watch the children until a signal (0) or a fatal death (1); restart tokenizers."""
+    health = f"http://{args.host}:{args.port}/health"
+    announced = False
+    while not signals.requested:
+        dead = [c for c in children if c.proc.poll() is not None]
+        fatal = [c for c in dead if not c.name.startswith("tokenizer")]
+        for c in dead:
+            if c.restart_at is None:  # said once, not on every poll of its backoff
+                _say(f"{c.name} exited with code {c.proc.returncode}")
+        if fatal:
+            if any(c.name in ENGINE for c in fatal):
+                _engine_lost(children)
+            return 1
+        for c in dead:  # tokenizers: a new incarnation in the same slot
+            _restart(c, env, args.frontend_nice, time.monotonic())
+        if not announced:
+            if _healthy(health):
+                announced = True
+                took = time.monotonic() - started
+                _say(
+                    f"serving {args.model} on http://{args.host}:{args.port} "
+                    f"(ready in {took:.1f}s)",
+                    logging.INFO,
+                    to_stdout=True,
+                )
+            elif time.monotonic() - started > HEALTH_TIMEOUT_S:
+                _say("/health did not turn green in time", logging.ERROR)
+                return 1
+        time.sleep(0.2)
+    return 0
 
 
 def _spawn(name: str, cmd: list[str], env: dict[str, str], nice: int) -> subprocess.Popen:
@@ -242,20 +225,8 @@ def _engine_lost(children: list[Child]) -> None:
 def _stop_all(children: list[Child], drain_s: float = 0.0, grace_s: float = 10.0) -> None:
     """The api first, with time to drain (it answers 503 meanwhile and ends what is left with an
     error), then everything else; a process that will not stop is killed."""
-    api = [c for c in children if c.name == "api"]
-    rest = [c for c in reversed(children) if c.name != "api"]
-    for group, wait_s in ((api, drain_s + grace_s), (rest, grace_s)):
-        for c in group:
-            if c.proc.poll() is None:
-                c.proc.send_signal(signal.SIGTERM)
-                c.proc.send_signal(signal.SIGCONT)  # a frozen child must run to stop
-        deadline = time.monotonic() + wait_s
-        for c in group:
-            try:
-                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(c.proc.pid, signal.SIGKILL)
-                c.proc.wait()
+    stop_processes([c.proc for c in children if c.name == "api"], drain_s + grace_s)
+    stop_processes([c.proc for c in reversed(children) if c.name != "api"], grace_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,4 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         from services.fleet.supervisor import serve_fleet
 
         return serve_fleet(args, argv, parser)
-    return serve(args)
+    try:  # every child's config is checked here, before anything starts
+        commands = _commands(args)
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
+    return serve(args, commands)

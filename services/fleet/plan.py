@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.config_args import flag, flags_of, option_name
+
 POLICIES = (
     "cache_aware",
     "round_robin",
@@ -27,62 +29,52 @@ POLICIES = (
 REPLICA_HOST = "127.0.0.1"  # only the router is meant to be reachable
 SMG_METRICS_PORT = 29000  # smg's own default
 
-# Flags the fleet consumes (name -> takes a value); everything else goes to every replica.
-_FLEET_FLAGS = {
-    "--replicas": True,
-    "--router": True,
-    "--router-policy": True,
-    "--replica-port": True,
-    "--router-metrics-port": True,
-    "--router-args": True,
-    "--host": True,
-    "--port": True,
-    "--run-dir": True,
-}
+_FLEET = "fleet: replicas behind a router (docs/fleet.md)"
 
+
+@dataclass
+class FleetConfig:
+    """`stoker serve`'s fleet flags (all in --help's fleet section)."""
+
+    replicas: int = flag(
+        1,
+        "stoker replicas to run, each a full service set (more than 1 implies --router smg)",
+        group=_FLEET,
+    )
+    router: str | None = flag(
+        None,
+        "put the Shepherd Model Gateway (`smg launch`) in front on --host/--port",
+        choices=["smg"],
+        group=_FLEET,
+    )
+    router_policy: str = flag(
+        "cache_aware", "smg's routing policy (default: cache_aware)", choices=POLICIES, group=_FLEET
+    )
+    replica_port: int | None = flag(
+        None,
+        "first replica's port on 127.0.0.1; the others follow (default: --port + 1)",
+        group=_FLEET,
+    )
+    router_metrics_port: int = flag(
+        SMG_METRICS_PORT, "port of smg's own Prometheus listener (default: 29000)", group=_FLEET
+    )
+    router_args: str = flag(
+        "",
+        "more `smg launch` flags, one shell-quoted string, appended last",
+        metavar="'FLAGS'",
+        group=_FLEET,
+    )
+
+
+# Flags the fleet consumes, each taking a value; everything else goes to every replica.
+_FLEET_FLAGS = {option_name(n) for n, _, _ in flags_of(FleetConfig)} | {
+    "--host",
+    "--port",
+    "--run-dir",
+}
 
 # Flags naming a port or a file that N replicas cannot share.
 _ONE_PER_HOST = ("master_port", "kv_events_config", "log_requests")
-
-
-def add_fleet_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("fleet: replicas behind a router (docs/fleet.md)")
-    g.add_argument(
-        "--replicas",
-        type=int,
-        default=1,
-        help="stoker replicas to run, each a full service set (more than 1 implies --router smg)",
-    )
-    g.add_argument(
-        "--router",
-        choices=["smg"],
-        default=None,
-        help="put the Shepherd Model Gateway (`smg launch`) in front on --host/--port",
-    )
-    g.add_argument(
-        "--router-policy",
-        choices=POLICIES,
-        default="cache_aware",
-        help="smg's routing policy (default: cache_aware)",
-    )
-    g.add_argument(
-        "--replica-port",
-        type=int,
-        default=None,
-        help="first replica's port on 127.0.0.1; the others follow (default: --port + 1)",
-    )
-    g.add_argument(
-        "--router-metrics-port",
-        type=int,
-        default=SMG_METRICS_PORT,
-        help="port of smg's own Prometheus listener (default: 29000)",
-    )
-    g.add_argument(
-        "--router-args",
-        default="",
-        metavar="'FLAGS'",
-        help="more `smg launch` flags, one shell-quoted string, appended last",
-    )
 
 
 def wants_fleet(args: argparse.Namespace) -> bool:
@@ -118,7 +110,7 @@ def replica_argv(argv: list[str]) -> list[str]:
             continue
         name = arg.split("=", 1)[0]
         if name in _FLEET_FLAGS:
-            skip = _FLEET_FLAGS[name] and "=" not in arg
+            skip = "=" not in arg
             continue
         out.append(arg)
     return out

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,10 +22,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.shutdown import StopSignals, stop_processes
 from services.fleet.plan import FleetPlan, check_replica_argv, plan_fleet
 
 READY_TIMEOUT_S = 300.0
 BACKOFF_MAX_S = 30.0
+STOP_GRACE_S = 10.0  # past the drain, before a member that will not stop is killed
 
 
 @dataclass
@@ -75,38 +76,31 @@ def serve_fleet(args: argparse.Namespace, argv: list[str], parser: argparse.Argu
         _log(str(e))
         return 2
     env = _env()
-    stopping = False
-
-    def on_signal(signum: int, _frame) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    started = time.monotonic()
-    members = [
-        Member(f"replica-{r.index}", r.cmd, _spawn(r.cmd, env), started) for r in plan.replicas
-    ]
-    exit_code = 0
-    try:
-        exit_code = _run(plan, members, env, started, lambda: stopping)
-    finally:
-        _stop_all(members, args.shutdown_timeout)
-        if not args.run_dir:
-            shutil.rmtree(run_root, ignore_errors=True)
-        # As services/launcher.py: a signal during interpreter shutdown must not kill us.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    return exit_code
+    with StopSignals() as signals:
+        started = time.monotonic()
+        members = [
+            Member(f"replica-{r.index}", r.cmd, _spawn(r.cmd, env), started) for r in plan.replicas
+        ]
+        try:
+            return _run(plan, members, env, started, signals)
+        finally:
+            # Together: each drains what it has in flight, up to --shutdown-timeout.
+            stop_processes([m.proc for m in members], args.shutdown_timeout + STOP_GRACE_S)
+            if not args.run_dir:
+                shutil.rmtree(run_root, ignore_errors=True)
 
 
 def _run(
-    plan: FleetPlan, members: list[Member], env: dict[str, str], started: float, stopping
+    plan: FleetPlan,
+    members: list[Member],
+    env: dict[str, str],
+    started: float,
+    signals: StopSignals,
 ) -> int:
     replicas = dict(zip((m.name for m in members), plan.replicas, strict=True))
     router: Member | None = None
     announced = False
-    while not stopping():
+    while not signals.requested:
         now = time.monotonic()
         if router is not None and router.proc.poll() is not None:
             _log(f"router exited with code {router.proc.returncode}")
@@ -148,16 +142,3 @@ def _restart(m: Member, now: float) -> None:
     m.proc = _spawn(m.cmd, _env())
     m.started = time.monotonic()
     _log(f"restarted {m.name} (restart {m.restarts})")
-
-
-def _stop_all(members: list[Member], drain_s: float, grace_s: float = 10.0) -> None:
-    for m in members:
-        if m.proc.poll() is None:
-            m.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + drain_s + grace_s
-    for m in members:
-        try:
-            m.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(m.proc.pid, signal.SIGKILL)
-            m.proc.wait()

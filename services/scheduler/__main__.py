@@ -7,21 +7,38 @@ import asyncio
 import logging
 import os
 import signal
-
-import uvloop
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from common.addresses import Addresses
+from common.config import STEP_TIMEOUT_S, EngineConfig
+from common.config_args import add_config_json, add_flags, config_from, flag, parse_args
 from common.logs import add_log_format_arg, configure_logging
 from common.shutdown import destroy_context_within, exit_on_sigterm, stop_within
-from services.engine_args import add_engine_args, engine_config_from_args
-from services.scheduler.service import EXIT_STALLED, EngineStalled, SchedulerService
+
+if TYPE_CHECKING:
+    from services.scheduler.service import SchedulerService
 
 log = logging.getLogger("stoker.scheduler")
+
+
+@dataclass
+class SchedulerServiceConfig:
+    """The scheduler process's settings: the engine's, and two of its own (`stoker serve`
+    imports this for them, so the service itself loads only in main)."""
+
+    engine: EngineConfig
+    no_overlap: bool = flag(
+        False, "disable overlap scheduling: one step in flight at a time", switch=True
+    )
+    step_timeout_s: float = STEP_TIMEOUT_S.field()
 
 
 async def _serve(service: SchedulerService) -> None:
     # SIGTERM through the loop: a plain Python handler may not run while uvloop sits in
     # epoll_wait with nothing else due, and the process then ignores SIGTERM.
+    from services.scheduler.service import EngineStalled
+
     task = asyncio.current_task()
     assert task is not None
 
@@ -41,24 +58,23 @@ async def _serve(service: SchedulerService) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="stoker scheduler", description=__doc__)
-    add_engine_args(parser)
-    parser.add_argument("--no-overlap", action="store_true", help="one step in flight at a time")
-    parser.add_argument(
-        "--step-timeout-s",
-        type=float,
-        default=60.0,
-        help="no step result for this long: fail every request and exit 3",
-    )
+    add_flags(parser, SchedulerServiceConfig)
     add_log_format_arg(parser)
-    args = parser.parse_args(argv)
+    add_config_json(parser)
+    args = parse_args(parser, argv)
     configure_logging("scheduler", args.log_format)
+    config = config_from(parser, SchedulerServiceConfig, args)
     signal.signal(signal.SIGTERM, exit_on_sigterm)
+    import uvloop
+
+    from services.scheduler.service import EXIT_STALLED, EngineStalled, SchedulerService
+
     service = SchedulerService(
-        engine_config_from_args(args),
+        config.engine,
         Addresses.from_env(),
-        overlap=not args.no_overlap,
-        step_timeout_s=args.step_timeout_s,
-        profile_dir=args.profile_dir,
+        overlap=not config.no_overlap,
+        step_timeout_s=config.step_timeout_s,
+        profile_dir=config.engine.profile_dir,
     )
     try:
         uvloop.run(_serve(service))

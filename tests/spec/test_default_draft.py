@@ -11,8 +11,8 @@ import pytest
 
 from common import model_registry
 from common.config import DEFAULT_DRAFT_MODEL, EngineConfig
+from common.config_args import add_flags, from_args
 from common.model_registry import BUNDLED_DIR, FETCHED, default_draft
-from services.engine_args import add_engine_args, engine_config_from_args
 
 HEAD = BUNDLED_DIR / "smollm2-eagle"
 
@@ -45,6 +45,6 @@ def test_default_k_follows_the_method() -> None:
     explicit = EngineConfig(model=tiny, speculative="ngram", num_speculative_tokens=3)
     assert explicit.num_speculative_tokens == 3
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
+    add_flags(parser, EngineConfig)
     args = parser.parse_args(["--model", tiny, "--speculative", "ngram"])
-    assert engine_config_from_args(args).num_speculative_tokens == 8
+    assert from_args(EngineConfig, args).num_speculative_tokens == 8

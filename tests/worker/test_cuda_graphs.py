@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from common.config import EngineConfig
+from common.config_args import add_flags, from_args, from_json, to_json
 from services.engine import LLM, SamplingParams
-from services.engine_args import add_engine_args, engine_args_to_argv, engine_config_from_args
 from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from services.worker.step_inputs import Chunk
 from tests.factory import make_model
@@ -201,13 +202,13 @@ def test_chunked_prefill_of_a_lone_prompt_stores_every_chunk(model_path):
 
 def test_enforce_eager_flag_round_trips():
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
+    add_flags(parser, EngineConfig)
     args = parser.parse_args(["--enforce-eager", "--max-cudagraph-capture-size", "64"])
-    config = engine_config_from_args(args)
+    config = from_args(EngineConfig, args)
     assert config.enforce_eager and config.max_cudagraph_capture_size == 64
-    again = engine_config_from_args(parser.parse_args(engine_args_to_argv(args)))
+    again = from_json(EngineConfig, to_json(config))  # what `stoker serve` hands the worker
     assert again.enforce_eager and again.max_cudagraph_capture_size == 64
-    assert not engine_config_from_args(parser.parse_args([])).enforce_eager
+    assert not from_args(EngineConfig, parser.parse_args([])).enforce_eager
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")

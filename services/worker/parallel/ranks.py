@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -25,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from common.config import EngineConfig
+from common.config_args import to_json
 from common.model_config import ModelConfig
 from services.worker.loader import check_model_folder
 from services.worker.parallel.comm import Communicator
@@ -127,7 +127,7 @@ class Ranks:
     ) -> subprocess.Popen:
         env = dict(os.environ)
         env[ENV_WARM_UP] = "1" if warm_up else "0"
-        env[ENV_CONFIG] = json.dumps(dataclasses.asdict(config))
+        env[ENV_CONFIG] = to_json(config)
         env[ENV_RANK], env[ENV_LOCAL_RANK] = str(rank), str(local_rank)
         env[ENV_PARENT] = str(os.getpid())
         cmd = [sys.executable, "-m", "services.worker.parallel.follower"]
