@@ -2,10 +2,11 @@
 
 A `torch.tensor(list, device="cuda")` copies from pageable memory, which waits for everything
 queued on the stream before it, so a sampling-batch tensor built after the forward's launch
-made the host wait out the whole forward there (docs/overlap.md, the H200 host profile: 258 such calls held
-0.46 of a 1.39 s workload slice). Pinned memory with non_blocking queues the copy behind the
-forward instead, and the one wait a step needs, for the sampled ids, happens in a stream
-synchronize, which releases the GIL (the in-process engine plans the next step meanwhile).
+made the host wait out the whole forward there (docs/overlap.md, the H200 host profile: 258
+such calls held 0.46 of a 1.39 s workload slice). Pinned memory with non_blocking queues the
+copy behind the forward instead, and the one wait a step needs, for the sampled ids, happens in
+a stream synchronize, which releases the GIL (the in-process engine plans the next step
+meanwhile).
 On CPU both are the plain calls.
 """
 
