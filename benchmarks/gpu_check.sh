@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 7 in one run of under 8 minutes on a lent H200 (nvidia-h200: Python
-# 3.12 with torch, triton, transformers; no network). Phases, each its own process under a hard
-# timeout, so one failing or hanging leaves the others' results (benchmarks/gpu_check.py):
+# 3.12 with torch, triton, transformers, pytest; no network). Phases, each its own process under
+# a hard timeout, so one failing or hanging leaves the others' results (benchmarks/gpu_check.py
+# runs one; each is a module of benchmarks/gpu_phases/):
 #   model       the Qwen3-0.6B-shaped random-init bf16 folder (hidden 1024, 28 layers, 16/8
 #               heads of 128, intermediate 3072, vocab 151936, tied) with a word tokenizer
-#   kernels     every triton kernel against its torch reference (bf16/fp32, GQA 1/4/8, head dim
-#               64/128, block size 16/32)
+#   kernels     the triton kernel tests (tests/kernels, compiled on the GPU) through pytest:
+#               every kernel against its torch reference (bf16/fp32, GQA 1/4/8, head dim
+#               64/128, block size 16/32, with the slow sweeps), one record per test and kernel
 #   hf          greedy agreement with HF in bf16, tolerance-based on logits
 #   decode      batch-1 decode ms/token with and without CUDA graphs
 #   throughput  nano-vllm workload: 256 requests, in/out lengths uniform 100-1024, seed 0
@@ -18,9 +20,10 @@
 #   profile     torch.profiler's top kernels (batch-1 decode, a slice of the workload) and
 #               cProfile of eager batch-1 forwards (profile_*.txt come back beside the JSON)
 # Results: $OUT/gpu_check.json (every phase, with exit status and wall time) and
-# $OUT/gpu_check.log. Exit status 0 only if every phase passed. GPU_CHECK_PHASES="model decode"
-# runs only the phases named (the model phase first, where the folder is not built yet), and
-# GPU_CHECK_KERNELS="rotary,race" only those kernel checks.
+# $OUT/gpu_check.log. Exit status 0 only if every phase run passed. `--phase decode,profile` (or
+# GPU_CHECK_PHASES="decode profile") runs only the phases named, in the plan's order, with the
+# model phase first where the folder is not built yet; `--kernels rotary,race` (or
+# GPU_CHECK_KERNELS) only those kernels' tests.
 #
 # The image lacks msgspec (stoker's message structs, imported on the engine path), pyzmq,
 # starlette, uvicorn and httptools. Fill .whl/ here first (git-ignored) with scripts/fetch_gpu_wheels.sh,
@@ -34,11 +37,23 @@
 # timeout_s=540).
 #
 # On CPU: `PYTHON=.venv/bin/python benchmarks/gpu_check.sh --smoke` runs every phase at tiny
-# shapes (no wheels installed; TRITON_INTERPRET=1 adds the kernel phase under the interpreter).
+# shapes (no wheels installed; TRITON_INTERPRET=1 adds the kernel tests under the interpreter).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SMOKE=()
-[ "${1:-}" = "--smoke" ] && SMOKE=(--smoke)
+ONLY=${GPU_CHECK_PHASES:-}  # e.g. "model decode profile": a re-run of a few phases
+while [ $# -gt 0 ]; do
+  case $1 in
+    --smoke) SMOKE=(--smoke) ;;
+    --phase | --phases) ONLY=${2:-}; shift ;;
+    --phase=* | --phases=*) ONLY=${1#*=} ;;
+    --kernels) export GPU_CHECK_KERNELS=${2:-}; shift ;;
+    --kernels=*) export GPU_CHECK_KERNELS=${1#*=} ;;
+    *) echo "usage: $0 [--smoke] [--phase a,b,...] [--kernels a,b,...]" >&2; exit 2 ;;
+  esac
+  shift
+done
+ONLY=${ONLY//,/ }
 PY=${PYTHON:-python3}
 OUT=${OUT:-$PWD/.gpu_check}
 WORK=${GPU_CHECK_WORK:-/tmp/stoker-gpu-check}
@@ -66,7 +81,14 @@ torch.version.cuda, "transformers", transformers.__version__)'
 # phase, cap in seconds; each gets min(cap, what is left of the budget).
 PLAN=("model 90" "kernels 150" "hf 90" "decode 90" "throughput 150" "serve 120" "timing 60"
   "paths 120" "profile 120")
-ONLY=${GPU_CHECK_PHASES:-}  # e.g. "model decode profile": a re-run of a few phases
+NAMES=" ${PLAN[*]/% [0-9]*/} "
+for name in $ONLY; do
+  [[ $NAMES == *" $name "* ]] || { echo "unknown phase $name; phases:$NAMES" >&2; exit 2; }
+done
+# The phases after it read the model folder: build it first where it is not there yet.
+if [ -n "$ONLY" ] && [ ! -f "$WORK/model/config.json" ] && [[ " $ONLY " != *" model "* ]]; then
+  ONLY="model $ONLY"
+fi
 for entry in "${PLAN[@]}"; do
   read -r phase cap <<<"$entry"
   if [ -n "$ONLY" ] && [[ " $ONLY " != *" $phase "* ]]; then
