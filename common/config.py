@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from common.config_args import Flag, flag
+from common.kv_events_config import KVEventsConfig
 from common.model_registry import (
     BUNDLED_DIR,
     DEFAULT_DRAFT,
@@ -44,8 +45,6 @@ STEP_TIMEOUT_S = Flag(
 def _kv_events_config(text: str) -> str:
     """Checked while parsing, so that `stoker serve` refuses a bad config before starting
     anything."""
-    from services.scheduler.kv_events import KVEventsConfig
-
     try:
         KVEventsConfig.from_json(text)
     except (TypeError, ValueError) as e:

@@ -29,10 +29,10 @@ from common.config import EngineConfig
 from common.config_args import add_flags, flag, from_args, to_json
 from common.logs import add_log_format_arg, configure_logging
 from common.shutdown import StopSignals, stop_processes
-from services.api.app import ApiConfig
+from services.api.config import ApiConfig
 from services.fleet.plan import FleetConfig, wants_fleet
-from services.scheduler.__main__ import SchedulerServiceConfig
-from services.tokenizer.__main__ import TokenizerConfig
+from services.scheduler.config import SchedulerServiceConfig
+from services.tokenizer.config import TokenizerConfig
 
 HEALTH_TIMEOUT_S = 300.0
 ENGINE = ("worker", "scheduler")

@@ -10,7 +10,8 @@ from common.logs import add_log_format_arg, configure_logging
 
 
 def main(argv: list[str] | None = None) -> None:
-    from services.api.app import ApiConfig, build_app
+    from services.api.app import build_app
+    from services.api.config import ApiConfig
 
     parser = argparse.ArgumentParser(prog="python -m services.api")
     add_flags(parser, ApiConfig)

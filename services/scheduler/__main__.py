@@ -7,31 +7,18 @@ import asyncio
 import logging
 import os
 import signal
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from common.addresses import Addresses
-from common.config import STEP_TIMEOUT_S, EngineConfig
-from common.config_args import add_config_json, add_flags, config_from, flag, parse_args
+from common.config_args import add_config_json, add_flags, config_from, parse_args
 from common.logs import add_log_format_arg, configure_logging
 from common.shutdown import destroy_context_within, exit_on_sigterm, stop_within
+from services.scheduler.config import SchedulerServiceConfig
 
 if TYPE_CHECKING:
     from services.scheduler.service import SchedulerService
 
 log = logging.getLogger("stoker.scheduler")
-
-
-@dataclass
-class SchedulerServiceConfig:
-    """The scheduler process's settings: the engine's, and two of its own (`stoker serve`
-    imports this for them, so the service itself loads only in main)."""
-
-    engine: EngineConfig
-    no_overlap: bool = flag(
-        False, "disable overlap scheduling: one step in flight at a time", switch=True
-    )
-    step_timeout_s: float = STEP_TIMEOUT_S.field()
 
 
 async def _serve(service: SchedulerService) -> None:

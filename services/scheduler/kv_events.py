@@ -14,18 +14,17 @@ batch from seq on, `[b"", seq, payload]` each, then `[b"", -1, b""]`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import zmq
 
+from common.kv_events_config import KVEventsConfig
 from services.scheduler.block_manager import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -77,48 +76,7 @@ def _event_structs(array_like: bool) -> tuple[type, type, type]:
 _STRUCTS = {"array": _event_structs(True), "map": _event_structs(False)}
 
 
-@dataclasses.dataclass
-class KVEventsConfig:
-    """vLLM's KVEventsConfig fields, plus stoker's `event_encoding`."""
 
-    enable_kv_cache_events: bool = False
-    publisher: Literal["null", "zmq"] | None = None  # None: "zmq" when enabled, as in vLLM
-    endpoint: str = "tcp://*:5557"
-    replay_endpoint: str | None = None
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
-    max_queue_size: int = 100_000
-    topic: str = ""
-    event_encoding: Literal["array", "map"] = "array"
-
-    def __post_init__(self) -> None:
-        if self.publisher is None:
-            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
-        if self.publisher not in ("null", "zmq"):
-            raise ValueError(f"publisher must be zmq or null, got {self.publisher!r}")
-        if self.event_encoding not in _STRUCTS:
-            raise ValueError(f"event_encoding must be array or map, got {self.event_encoding!r}")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive")
-
-    @classmethod
-    def from_json(cls, text: str) -> KVEventsConfig:
-        try:
-            fields = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-events-config is not JSON: {e}") from e
-        if not isinstance(fields, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise ValueError(f"--kv-events-config: unknown fields {unknown}")
-        return cls(**fields)
-
-    @property
-    def active(self) -> bool:
-        return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
 class ZmqEventPublisher:

@@ -33,6 +33,7 @@ from common.messages import (
 )
 from services.scheduler import steady
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import (
     NO_VERIFY_IN_FLIGHT,
     NOT_STEADY,
@@ -43,19 +44,6 @@ from services.scheduler.request import (
 )
 from services.scheduler.speculation import SpecPolicy
 from services.scheduler.waiting import WaitingQueue
-
-
-@dataclasses.dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    # Prompt-chunk tokens per step (requests computing more than one token, a prompt or a
-    # recompute after preemption); decodes and verifies are not counted. 0: only
-    # max_num_batched_tokens caps them. Small chunks let each prompt of a wave start decoding
-    # as soon as its own chunk is done instead of when the wave's is.
-    prefill_chunk_tokens: int = 0
-    max_model_len: int = 2048
-    watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
 
 
 class Scheduler:

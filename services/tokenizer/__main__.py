@@ -5,20 +5,10 @@ from __future__ import annotations
 import argparse
 import socket
 import uuid
-from dataclasses import dataclass
 
-from common.config import MAX_MODEL_LEN
-from common.config_args import add_config_json, add_flags, config_from, flag, parse_args
+from common.config_args import add_config_json, add_flags, config_from, parse_args
 from common.logs import add_log_format_arg, configure_logging
-
-
-@dataclass
-class TokenizerConfig:
-    model: str = flag(help="model folder (config.json + tokenizer)", required=True)
-    # The slot survives a restart (compose keeps the hostname); the routing id is fresh per
-    # process, so a restarted tokenizer is a new incarnation (pid 1 in every container).
-    id: str | None = flag(None, "slot name (default: tok-<host>); each process adds its own id")
-    max_model_len: int | None = MAX_MODEL_LEN.field()
+from services.tokenizer.config import TokenizerConfig
 
 
 def main(argv: list[str] | None = None) -> None:

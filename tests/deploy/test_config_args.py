@@ -23,10 +23,10 @@ from common.config_args import (
     parse_args,
     to_json,
 )
-from services.api.app import ApiConfig
+from services.api.config import ApiConfig
 from services.launcher import _commands, build_parser
-from services.scheduler.__main__ import SchedulerServiceConfig
-from services.tokenizer.__main__ import TokenizerConfig
+from services.scheduler.config import SchedulerServiceConfig
+from services.tokenizer.config import TokenizerConfig
 
 SHARED = Flag(3, "shared by two classes")
 
