@@ -51,12 +51,7 @@ class EngineCore:
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                prefill_chunk_tokens=config.prefill_chunk_tokens,
-                max_model_len=self.max_model_len,
-            ),
+            SchedulerConfig.from_engine(config, self.max_model_len),
             self.block_manager,
             SpecPolicy.from_config(config),
         )

@@ -12,6 +12,9 @@ from common.config_args import flag
 
 @dataclasses.dataclass
 class SchedulerConfig:
+    """The core's policy knobs. Served engines build it from their EngineConfig (from_engine);
+    the defaults are for tests and benchmarks that drive the core alone."""
+
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     # Prompt-chunk tokens per step (requests computing more than one token, a prompt or a
@@ -21,6 +24,17 @@ class SchedulerConfig:
     prefill_chunk_tokens: int = 0
     max_model_len: int = 2048
     watermark: float = 0.01  # fraction of blocks kept free when admitting new requests
+
+    @classmethod
+    def from_engine(cls, engine: EngineConfig, max_model_len: int) -> SchedulerConfig:
+        """The engine's flags; max_model_len as the worker resolved it for its pool."""
+        assert engine.prefill_chunk_tokens is not None  # EngineConfig resolves it
+        return cls(
+            max_num_seqs=engine.max_num_seqs,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            prefill_chunk_tokens=engine.prefill_chunk_tokens,
+            max_model_len=max_model_len,
+        )
 
 
 @dataclass

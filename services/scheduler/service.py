@@ -137,12 +137,7 @@ class SchedulerService:
             record_events=self.kv_events is not None,
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=self.config.max_num_seqs,
-                max_num_batched_tokens=self.config.max_num_batched_tokens,
-                prefill_chunk_tokens=self.config.prefill_chunk_tokens,
-                max_model_len=ready.max_model_len,
-            ),
+            SchedulerConfig.from_engine(self.config, ready.max_model_len),
             self.blocks,
             SpecPolicy.from_config(self.config),
         )
