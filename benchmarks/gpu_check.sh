@@ -85,9 +85,11 @@ NAMES=" ${PLAN[*]/% [0-9]*/} "
 for name in $ONLY; do
   [[ $NAMES == *" $name "* ]] || { echo "unknown phase $name; phases:$NAMES" >&2; exit 2; }
 done
-# The phases after it read the model folder: build it first where it is not there yet.
-if [ -n "$ONLY" ] && [ ! -f "$WORK/model/config.json" ] && [[ " $ONLY " != *" model "* ]]; then
-  ONLY="model $ONLY"
+# All but kernels and timing read the model folder: build it first where it is not there yet.
+if [ ! -f "$WORK/model/config.json" ] && [[ " $ONLY " != *" model "* ]]; then
+  for name in $ONLY; do
+    [[ " kernels timing " == *" $name "* ]] || { ONLY="model $ONLY"; break; }
+  done
 fi
 for entry in "${PLAN[@]}"; do
   read -r phase cap <<<"$entry"
