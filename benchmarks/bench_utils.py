@@ -9,12 +9,10 @@ import os
 import random
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 BENCH_DIR = Path(os.environ.get("STOKER_BENCH_DIR", REPO / ".bench"))
 RESULTS_DIR = REPO / "benchmarks" / "results"
 

@@ -25,9 +25,9 @@ import torch  # noqa: E402
 from bench_utils import write_result  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from common.model_registry import resolve_model  # noqa: E402
-from services.engine import LLM, SamplingParams  # noqa: E402
-from services.eval.sources import load_items  # noqa: E402
+from stoker.common.model_registry import resolve_model  # noqa: E402
+from stoker.services.engine import LLM, SamplingParams  # noqa: E402
+from stoker.tools.eval.sources import load_items  # noqa: E402
 
 
 def _prompts(folder: Path, num_random: int) -> list[list[int]]:

@@ -29,10 +29,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_utils import write_result  # noqa: E402  (puts the repo on sys.path)
+from bench_utils import write_result  # noqa: E402
 from speculative import CHAT_PROMPTS  # noqa: E402
 
-from common.model_registry import resolve_model  # noqa: E402
+from stoker.common.model_registry import resolve_model  # noqa: E402
 
 Path_ = tuple[int, ...]
 
@@ -43,10 +43,10 @@ def rank_paths(target: Path, head: Path, max_new: int, depth: int) -> list[list[
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.training.eagle import collect
-    from services.training.eagle_net import EagleNet
-    from services.training.train_draft import chat_prompt_ids
-    from services.worker.eagle.config import EagleConfig
+    from stoker.services.worker.eagle.config import EagleConfig
+    from stoker.tools.training.eagle import collect
+    from stoker.tools.training.eagle_net import EagleNet
+    from stoker.tools.training.train_draft import chat_prompt_ids
 
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()

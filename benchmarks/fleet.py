@@ -23,7 +23,7 @@ from pathlib import Path
 from bench_utils import write_result
 from openai import AsyncOpenAI
 
-from services.fleet.workload import shared_prefix_prompts
+from stoker.tools.fleet.workload import shared_prefix_prompts
 from tests.fleet.fleet_procs import start_fleet, stop_fleet
 
 

@@ -41,7 +41,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(REPO))
 if str(HERE) not in sys.path:  # imported rather than run: gpu_phases and serving live here
     sys.path.append(str(HERE))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

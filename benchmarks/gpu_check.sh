@@ -70,7 +70,10 @@ if [ ${#SMOKE[@]} -eq 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Only `stoker` on the path (a link to the checkout's stoker/, whose __init__ maps the folders
+# beside it): the repo root itself would put its kernels/ ahead of Hugging Face's `kernels`.
+mkdir -p "$WORK/path" && ln -sfn "$PWD/stoker" "$WORK/path/stoker"
+export PYTHONPATH=$WORK/path${PYTHONPATH:+:$PYTHONPATH}
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
   --format=csv

@@ -12,7 +12,7 @@ import time
 import msgspec
 from bench_utils import write_result
 
-from common.messages import (
+from stoker.common.messages import (
     RequestTokens,
     RunningRequestData,
     StepPlan,

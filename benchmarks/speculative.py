@@ -29,10 +29,10 @@ import time
 
 from bench_utils import write_result
 
-from common.config import DEFAULT_MODEL
-from common.model_registry import default_draft, resolve_model
-from services.engine import LLM, SamplingParams
-from services.training.train_draft import chat_prompt_ids
+from stoker.common.config import DEFAULT_MODEL
+from stoker.common.model_registry import default_draft, resolve_model
+from stoker.services.engine import LLM, SamplingParams
+from stoker.tools.training.train_draft import chat_prompt_ids
 
 PROMPTS = [
     "ROMEO:\nBut soft, what light",

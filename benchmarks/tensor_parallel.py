@@ -40,7 +40,7 @@ class _Timed:
 
 
 def run_engine(model: str, tp: int, prompts, max_tokens: int, max_num_seqs: int) -> dict:
-    from services.engine import LLM, SamplingParams
+    from stoker.services.engine import LLM, SamplingParams
 
     llm = LLM(
         model,
@@ -92,8 +92,8 @@ def _pair(rank: int, port: int, sizes: list[int], hidden: int, rows: list[int], 
     import torch.distributed as dist
     import zmq
 
-    from services.worker.parallel.comm import Communicator
-    from services.worker.parallel.plan_channel import PlanChannel
+    from stoker.services.worker.parallel.comm import Communicator
+    from stoker.services.worker.parallel.plan_channel import PlanChannel
 
     torch.set_num_threads(1)
     comm = Communicator(rank, 2, torch.device("cpu"), "127.0.0.1", port)
@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     model = args.model or str(bench_model())
-    from common.model_config import ModelConfig
+    from stoker.common.model_config import ModelConfig
 
     cfg = ModelConfig.from_folder(model)
     prompts = random_prompts(args.prompts, args.prompt_len, args.prompt_len, cfg.vocab_size)

@@ -28,11 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_utils import write_result  # noqa: E402  (puts the repo on sys.path)
+from bench_utils import write_result  # noqa: E402
 
-from common.model_config import ModelConfig  # noqa: E402
-from common.model_registry import resolve_model  # noqa: E402
-from services.worker.models.layers import linear, pack_weights  # noqa: E402
+from stoker.common.model_config import ModelConfig  # noqa: E402
+from stoker.common.model_registry import resolve_model  # noqa: E402
+from stoker.services.worker.models.layers import linear, pack_weights  # noqa: E402
 
 
 def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -61,9 +61,9 @@ def _time(fn, repeat: int) -> float:
 
 def engine_steps(model: str, steps: int) -> dict:
     """Median worker prepare / forward / sample seconds of decode and 5-row verify steps."""
-    from common.config import EngineConfig
-    from common.sampling_params import SamplingParams
-    from services.engine.core import EngineCore
+    from stoker.common.config import EngineConfig
+    from stoker.common.sampling_params import SamplingParams
+    from stoker.services.engine.core import EngineCore
 
     out = {}
     for mode, spec in (("decode", None), ("verify", "ngram")):

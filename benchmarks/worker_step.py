@@ -18,15 +18,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_utils import bench_model, p50_p99_us, steady_decode_args, write_result  # noqa: E402  (puts the repo on sys.path)
+from bench_utils import bench_model, p50_p99_us, steady_decode_args, write_result  # noqa: E402
 
-from common.config import EngineConfig  # noqa: E402
-from common.ipc import encoder, plan_decoder, worker_outbound_decoder  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
-from services.scheduler.block_manager import BlockManager  # noqa: E402
-from services.scheduler.request import Request  # noqa: E402
-from services.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from services.worker.model_runner import ModelRunner  # noqa: E402
+from stoker.common.config import EngineConfig  # noqa: E402
+from stoker.common.ipc import encoder, plan_decoder, worker_outbound_decoder  # noqa: E402
+from stoker.common.sampling_params import SamplingParams  # noqa: E402
+from stoker.services.scheduler.block_manager import BlockManager  # noqa: E402
+from stoker.services.scheduler.request import Request  # noqa: E402
+from stoker.services.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from stoker.services.worker.model_runner import ModelRunner  # noqa: E402
 
 
 def run(model: Path, num_running: int, steps: int, prompt_len: int, block_size: int) -> dict:

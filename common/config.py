@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from pathlib import Path
 
-from common.config_args import Flag, flag
-from common.kv_events_config import KVEventsConfig
-from common.model_registry import (
+from stoker.common.config_args import Flag, flag
+from stoker.common.kv_events_config import KVEventsConfig
+from stoker.common.model_registry import (
     BUNDLED_DIR,
     DEFAULT_DRAFT,
     DEFAULT_NAME,
@@ -19,8 +18,7 @@ from common.model_registry import (
     resolve_model,
 )
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO_ROOT / "models" / "stoker-tiny"
+DEFAULT_MODEL = BUNDLED_DIR / "stoker-tiny"
 DEFAULT_DRAFT_MODEL = BUNDLED_DIR / DEFAULT_DRAFT  # --speculative draft on any other model
 CPU_PREFILL_CHUNK_TOKENS = 512
 NGRAM_SPECULATIVE_TOKENS = 8

@@ -162,7 +162,7 @@ def from_json(cls: type[T], text: str | dict[str, Any]) -> T:
 def _build(cls: type[T], values: dict[str, Any], nested: Callable[[type, str], Any]) -> T:
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # T is a dataclass
         spec, inner = f.metadata.get(FLAG), _config_class(hints[f.name])
         if not f.init:
             continue

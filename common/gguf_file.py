@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from common.errors import ModelLoadError
+from stoker.common.errors import ModelLoadError
 
 # GGUF architectures served, and the Hugging Face class each becomes.
 GGUF_ARCHITECTURES = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from common.messages import (
+from stoker.common.messages import (
     ApiFromScheduler,
     ApiInbound,
     SchedulerInbound,

@@ -28,7 +28,7 @@ class JsonFormatter(logging.Formatter):
         self.service = service
 
     def format(self, record: logging.LogRecord) -> str:
-        created = datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+        created = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
         entry: dict[str, object] = {
             "time": created.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": record.levelname,

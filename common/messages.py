@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from common.sampling_params import SamplingParams
-from common.telemetry import StepTelemetry
+from stoker.common.sampling_params import SamplingParams
+from stoker.common.telemetry import StepTelemetry
 
 TokenIds = bytes
 """Token ids on the wire: one little-endian int32 buffer. A msgpack list[int] decodes into one
@@ -221,7 +221,7 @@ class TokenizerHeartbeat(msgspec.Struct, array_like=True, tag="tok_heartbeat"):
     pid: int
     requests_served: int
     slot: str = ""  # what survives a restart (--id, or the host): a new id here replaces the old
-    protocol: str = ""  # common/protocol.py: the api refuses a tokenizer from another build
+    protocol: str = ""  # common/wire_digest.py: the api refuses a tokenizer from another build
 
 
 class SpecStats(msgspec.Struct, array_like=True, gc=False):
@@ -251,7 +251,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="sched_stats"):
     model_name: str
     telemetry: StepTelemetry | None = None
     spec: SpecStats | None = None
-    protocol: str = ""  # common/protocol.py: the api refuses a scheduler from another build
+    protocol: str = ""  # common/wire_digest.py: the api refuses a scheduler from another build
 
 
 class WorkerReady(msgspec.Struct, array_like=True, tag="worker_ready"):
@@ -260,7 +260,7 @@ class WorkerReady(msgspec.Struct, array_like=True, tag="worker_ready"):
     max_model_len: int
     vocab_size: int
     incarnation: str = ""  # the SchedulerHello answered; "" when sent unasked at start-up
-    protocol: str = ""  # common/protocol.py: the scheduler refuses a worker from another build
+    protocol: str = ""  # common/wire_digest.py: the scheduler refuses a worker from another build
 
 
 class SchedulerHello(msgspec.Struct, array_like=True, tag="hello"):
@@ -268,7 +268,7 @@ class SchedulerHello(msgspec.Struct, array_like=True, tag="hello"):
     WorkerReady and forget every request. Idempotent, so either side can restart."""
 
     incarnation: str
-    protocol: str = ""  # common/protocol.py: the worker logs a scheduler from another build
+    protocol: str = ""  # common/wire_digest.py: the worker logs a scheduler from another build
 
 
 class EngineFailure(msgspec.Struct, array_like=True, tag="engine_failure"):

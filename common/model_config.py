@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.errors import ModelLoadError
+from stoker.common.errors import ModelLoadError
 
 # Hugging Face architecture -> kind; services/worker/models/__init__.py maps each kind to its
 # implementation (Llama, Mistral, Qwen2 and Qwen3 share one; the differences are flags below).
@@ -82,7 +82,7 @@ class ModelConfig:
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
         """From a Hugging Face folder, or a GGUF file (or a folder holding one)."""
-        from common.gguf_file import config_from_gguf, find_gguf
+        from stoker.common.gguf_file import config_from_gguf, find_gguf
 
         gguf = find_gguf(folder)
         if gguf is not None:

@@ -12,8 +12,11 @@ import logging
 import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-BUNDLED_DIR = REPO_ROOT / "models"
+# The folder above common/: the repository in a checkout, site-packages/stoker once installed
+# (setup.py lays models/ out beside common/ either way).
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+BUNDLED_DIR = PACKAGE_ROOT / "models"
+IN_CHECKOUT = (PACKAGE_ROOT / "pyproject.toml").is_file()
 
 log = logging.getLogger("stoker.models")
 
@@ -50,8 +53,14 @@ class UnknownModelError(ValueError):
 
 
 def model_cache_dir() -> Path:
-    """Where fetched models are converted to (git-ignored; STOKER_MODEL_CACHE moves it)."""
-    return Path(os.environ.get("STOKER_MODEL_CACHE") or REPO_ROOT / ".model-cache")
+    """Where fetched models are converted to: STOKER_MODEL_CACHE, else the checkout's
+    git-ignored .model-cache/, else (installed) the user's cache folder."""
+    if os.environ.get("STOKER_MODEL_CACHE"):
+        return Path(os.environ["STOKER_MODEL_CACHE"])
+    if IN_CHECKOUT:
+        return PACKAGE_ROOT / ".model-cache"
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "stoker" / "models"
 
 
 def cached_model_path(name: str) -> Path:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from common.messages import ProfileControl
+    from stoker.common.messages import ProfileControl
 
 log = logging.getLogger("stoker.profiling")
 

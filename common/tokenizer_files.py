@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from common.gguf_file import find_gguf
+from stoker.common.gguf_file import find_gguf
 
 
 def load_tokenizer(model: str | Path) -> Any:

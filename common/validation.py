@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.sampling_params import SamplingParams
+from stoker.common.sampling_params import SamplingParams
 
 
 def check_request(

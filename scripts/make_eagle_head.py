@@ -2,7 +2,7 @@
 `--speculative draft` uses on that model.
 
 One `stoker train-draft --method eagle` run with fixed seeds and a fixed step count. SmolLM2
-first writes 1,440 distinct user turns itself (services/training/self_chat.py; none of them is
+first writes 1,440 distinct user turns itself (tools/training/self_chat.py; none of them is
 one of benchmarks/speculative.py's held-out chat prompts; a tenth held out for the model card),
 then answers them, 96 tokens each, and a one-layer bfloat16 head with an 8,192-token draft
 vocabulary trains on its hidden states for 1,000 steps of 8 sequences. On the project's 2-core
@@ -22,7 +22,6 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def card_says_this_script(out: Path, steps: int) -> None:
@@ -42,14 +41,14 @@ def main() -> int:
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--num-prompts", type=int, default=1440)
     args = ap.parse_args()
-    from common.model_registry import resolve_model
-    from services.training.train_draft import main as train_draft
+    from stoker.common.model_registry import resolve_model
+    from stoker.tools.training.train_draft import main as train_draft
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     sys.path.insert(0, str(REPO / "scripts"))
     from speculative import CHAT_PROMPTS  # the held-out chat prompts
 
-    from services.training.self_chat import self_chat_turns
+    from stoker.tools.training.self_chat import self_chat_turns
 
     target = resolve_model(args.target)
     turns = self_chat_turns(target, args.num_prompts, seed=0, exclude=CHAT_PROMPTS)

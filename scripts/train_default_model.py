@@ -29,13 +29,12 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from services.training import card, corpus, distill, loop, net, pretrain, tokenizer  # noqa: E402
-from services.training.model import (  # noqa: E402
+from stoker.tools.training import card, corpus, distill, loop, net, pretrain, tokenizer  # noqa: E402
+from stoker.tools.training.model import (  # noqa: E402
     LlamaSize,
     count_params,
     llama_config,

@@ -25,7 +25,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from common.model_registry import (
+from stoker.common.model_registry import (
     FETCHED,
     cached_model_path,
     is_fetched,
@@ -77,8 +77,8 @@ def convert_gguf(gguf: Path, out: Path, description: str = "") -> Path:
     """Write a Hugging Face folder for `gguf`: what transformers and stoker both load."""
     from safetensors.numpy import save_file
 
-    from common.gguf_file import config_from_gguf, iter_gguf_tensors
-    from common.tokenizer_files import load_tokenizer
+    from stoker.common.gguf_file import config_from_gguf, iter_gguf_tensors
+    from stoker.common.tokenizer_files import load_tokenizer
 
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)

@@ -18,12 +18,12 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 
-from common.messages import StepPlan, StepResult, pack_ids, unpack_ids
-from common.sampling_params import SamplingParams
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from services.scheduler.speculation import SpecPolicy
+from stoker.common.messages import StepPlan, StepResult, pack_ids, unpack_ids
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.scheduler.block_manager import BlockManager
+from stoker.services.scheduler.request import Request
+from stoker.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from stoker.services.scheduler.speculation import SpecPolicy
 
 VOCAB = 97
 EOS = 0  # never produced by a target unless forced

@@ -26,7 +26,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def _generate_s(engine, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
-    from common.sampling_params import SamplingParams
+    from stoker.common.sampling_params import SamplingParams
 
     started = time.perf_counter()
     out = engine.generate([prompt], SamplingParams(max_tokens=tokens, **GREEDY), use_tqdm=False)

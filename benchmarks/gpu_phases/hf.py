@@ -40,7 +40,7 @@ def _hf_greedy(work: Path, prompts: list[list[int]], new: int):
 
 def _stoker_logits(runner, seq: list[int]) -> torch.Tensor:
     """stoker's logits at every position of `seq`, one prefill through the engine's model."""
-    from services.worker.step_inputs import Chunk, build_step_inputs
+    from stoker.services.worker.step_inputs import Chunk, build_step_inputs
 
     chunk = Chunk(seq, 0, list(range(-(-len(seq) // runner.block_size))), len(seq))
     with torch.inference_mode():
@@ -89,7 +89,7 @@ def _judge(prompt, want_tokens, want_logits, got_logits, out, new) -> dict:
 
 
 def run(work: Path, smoke: bool, report: Report) -> bool:
-    from common.sampling_params import SamplingParams
+    from stoker.common.sampling_params import SamplingParams
 
     vocab = vocab_size(work)
     rng = random.Random(1)

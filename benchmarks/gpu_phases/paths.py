@@ -47,7 +47,7 @@ def _run(work: Path, label: str, prompts, params, repeat: int = 1, **options):
 
 
 def run(work: Path, smoke: bool, report: Report) -> bool:
-    from common.sampling_params import SamplingParams
+    from stoker.common.sampling_params import SamplingParams
 
     prompts = _prompts(work, smoke)
     new = 16 if smoke else 96

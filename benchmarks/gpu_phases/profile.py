@@ -75,7 +75,7 @@ def _host_table(profiler: cProfile.Profile, *sorts: tuple[str, int]) -> str:
 def _decode(work: Path, smoke: bool, out: Profiles) -> None:
     """torch.profiler over batch-1 greedy decode, then cProfile over eager batch-1 forwards with
     the graphs set aside: what each step costs the host."""
-    from common.sampling_params import SamplingParams
+    from stoker.common.sampling_params import SamplingParams
 
     prompt = random_prompt(work, 2, 16 if smoke else 128)
     greedy = dict(temperature=0.0, ignore_eos=True)
@@ -112,7 +112,7 @@ def _decode(work: Path, smoke: bool, out: Profiles) -> None:
 def _workload_slice(work: Path, smoke: bool, out: Profiles) -> None:
     """A slice of the nano-vllm workload (128 requests of at most 128 tokens) under
     torch.profiler, then under cProfile alone: which host functions a step's wall time goes to."""
-    from common.sampling_params import SamplingParams
+    from stoker.common.sampling_params import SamplingParams
 
     prompts, params = nano_vllm_workload(smoke)
     count = cap = 8 if smoke else 128

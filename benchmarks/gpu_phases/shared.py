@@ -123,7 +123,7 @@ def weight_bytes(work: Path) -> int:
 def llm(work: Path, **options):
     """The in-process engine on the phase-built model; on CPU the decode-graph path still runs,
     in its eager-replay mode, unless the options turn graphs off."""
-    from services.engine import LLM
+    from stoker.services.engine import LLM
 
     base = dict(device=str(device()), dtype=dtype_name())
     engine = LLM(str(model_path(work)), **(base | options))
@@ -172,7 +172,7 @@ class StepTimes:
 def nano_vllm_workload(smoke: bool):
     """nano-vllm's bench.py: seed 0, 256 prompts of randint(0, 10000) ids with lengths
     randint(100, 1024), then temperature 0.6, ignore_eos, max_tokens randint(100, 1024)."""
-    from common.sampling_params import SamplingParams
+    from stoker.common.sampling_params import SamplingParams
 
     rng = random.Random(0)
     count, lo, hi, top_id = (8, 5, 30, 1000) if smoke else (256, 100, 1024, 10000)
@@ -194,7 +194,7 @@ def workload_options(smoke: bool) -> dict:
 def batch1_forward(runner, prompt_len: int) -> Callable[[], object]:
     """The model forward alone for one decode row at context prompt_len + 1: the graph replay,
     or the eager launches when the runner has no graphs."""
-    from services.worker.step_inputs import Chunk, build_step_inputs
+    from stoker.services.worker.step_inputs import Chunk, build_step_inputs
 
     blocks = list(range(-(-(prompt_len + 1) // runner.block_size)))
     chunk = Chunk([5], prompt_len, blocks, 1)

@@ -12,7 +12,7 @@ HF_GENERATE_BATCH_TOK_S = 794  # HF continuous batching on the same H200, from t
 
 
 def run(work: Path, smoke: bool, report: Report) -> bool:
-    from common.sampling_params import SamplingParams
+    from stoker.common.sampling_params import SamplingParams
 
     prompts, params = nano_vllm_workload(smoke)
     started = time.perf_counter()

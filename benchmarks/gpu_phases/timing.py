@@ -53,7 +53,7 @@ class Timer:
 def _decode_uniform(t: Timer) -> None:
     """Every row at one context, tables as wide as the context or as max_model_len 2048 (the
     CUDA-graph padding): the launch grid comes from the width."""
-    from kernels import dispatch
+    from stoker.kernels import dispatch
 
     ctx = 64 if t.smoke else 1024
     for batch in (1, 4) if t.smoke else (1, 64, 256):
@@ -78,7 +78,7 @@ def _decode_uniform(t: Timer) -> None:
 def _decode_mixed(t: Timer) -> None:
     """Mixed context lengths, as in the nano-vllm workload (uniform 100-2048): whole-context
     programs leave the longest rows as a tail, which split-K could even out."""
-    from kernels import dispatch
+    from stoker.kernels import dispatch
 
     lo, hi = (8, 64) if t.smoke else (100, 2048)
     for batch in (4, 8) if t.smoke else (64, 256):
@@ -92,7 +92,7 @@ def _decode_mixed(t: Timer) -> None:
             def fn(q=q, kc=kc, vc=vc, tab=tables, n=lens, s=splits):
                 if s is None:  # the launch heuristic, as the model calls it
                     return dispatch.paged_decode_attention(q, kc, vc, tab, n, 0.1)
-                from kernels import triton_attention as ta
+                from stoker.kernels import triton_attention as ta
 
                 return ta.paged_decode_attention(q, kc, vc, tab, n, 0.1, num_splits=s)
 
@@ -107,7 +107,7 @@ def _decode_mixed(t: Timer) -> None:
 
 
 def _norms(t: Timer, tokens: int) -> None:
-    from kernels import dispatch
+    from stoker.kernels import dispatch
 
     x, res, w = t.randn(tokens, t.hidden), t.randn(tokens, t.hidden), t.randn(t.hidden)
     t.record(
@@ -133,8 +133,8 @@ def _norms(t: Timer, tokens: int) -> None:
 
 def _rotary(t: Timer, tokens: int) -> None:
     """Rotary alone, then Qwen3's q/k norm and rotary: one launch against the three it replaced."""
-    from kernels import dispatch
-    from kernels.rotary import rope_cos_sin, rope_inv_freq
+    from stoker.kernels import dispatch
+    from stoker.kernels.rotary import rope_cos_sin, rope_inv_freq
 
     cos, sin = rope_cos_sin(rope_inv_freq(t.head_dim, 1e6, None), 4096)
     pos = torch.randint(0, 4096, (tokens,), generator=t.gen, device=t.dev)
@@ -166,8 +166,8 @@ def _rotary(t: Timer, tokens: int) -> None:
 
 def _activation(t: Timer) -> None:
     """The gated MLP's activation: one pass against torch's silu then mul."""
-    from kernels import activation as ref_act
-    from kernels import dispatch
+    from stoker.kernels import activation as ref_act
+    from stoker.kernels import dispatch
 
     for tokens in (1, 8) if t.smoke else (1, 256, 4096):
         gate_up = t.randn(tokens, 2 * (96 if t.smoke else 3072))
@@ -180,8 +180,8 @@ def _activation(t: Timer) -> None:
 
 def _race(t: Timer) -> None:
     """The sampler's race: the fused kernel against the materialised noise it replaced on CUDA."""
-    from kernels import dispatch
-    from services.worker.sampling_noise import noise_rows
+    from stoker.kernels import dispatch
+    from stoker.services.worker.sampling_noise import noise_rows
 
     vocab = 3000 if t.smoke else 151936
     for rows in (1, 8) if t.smoke else (1, 256):
@@ -205,7 +205,7 @@ def _race(t: Timer) -> None:
 
 
 def run(work: Path, smoke: bool, report: Report) -> bool:
-    from kernels import dispatch
+    from stoker.kernels import dispatch
 
     t = Timer(smoke, report)
     report.set(

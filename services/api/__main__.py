@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from common.config_args import add_config_json, add_flags, config_from, parse_args
-from common.logs import add_log_format_arg, configure_logging
+from stoker.common.config_args import add_config_json, add_flags, config_from, parse_args
+from stoker.common.logs import add_log_format_arg, configure_logging
 
 
 def main(argv: list[str] | None = None) -> None:
-    from services.api.app import build_app
-    from services.api.config import ApiConfig
+    from stoker.services.api.app import build_app
+    from stoker.services.api.config import ApiConfig
 
     parser = argparse.ArgumentParser(prog="python -m services.api")
     add_flags(parser, ApiConfig)
@@ -25,11 +25,11 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from common.addresses import Addresses
-    from services.api.engine_client import EngineClient
-    from services.api.request_log import RequestLog
-    from services.api.server import DrainingServer
-    from services.api.tokens import TokenStrings
+    from stoker.common.addresses import Addresses
+    from stoker.services.api.engine_client import EngineClient
+    from stoker.services.api.request_log import RequestLog
+    from stoker.services.api.server import DrainingServer
+    from stoker.services.api.tokens import TokenStrings
 
     request_log = None
     if config.log_requests:

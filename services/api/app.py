@@ -26,19 +26,19 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from common.messages import ProfileControl, TextDelta
-from services.api import protocol
-from services.api.config import ApiConfig
-from services.api.dashboard_routes import DashboardPage
-from services.api.delta_queue import DeltaQueue
-from services.api.engine_client import EngineClient
-from services.api.guard import ApiKeyMiddleware
-from services.api.openapi import openapi_document
-from services.api.protocol import ApiError
-from services.api.responses import Accumulator, Formatter
-from services.api.router_routes import version
-from services.api.tokenize_routes import TokenIdStrings, TokenizerEndpoints
-from services.api.tokens import TokenStrings
+from stoker.common.messages import ProfileControl, TextDelta
+from stoker.services.api import openai_schema
+from stoker.services.api.config import ApiConfig
+from stoker.services.api.dashboard_routes import DashboardPage
+from stoker.services.api.delta_queue import DeltaQueue
+from stoker.services.api.engine_client import EngineClient
+from stoker.services.api.guard import ApiKeyMiddleware
+from stoker.services.api.openai_schema import ApiError
+from stoker.services.api.openapi import openapi_document
+from stoker.services.api.responses import Accumulator, Formatter
+from stoker.services.api.router_routes import version
+from stoker.services.api.tokenize_routes import TokenIdStrings, TokenizerEndpoints
+from stoker.services.api.tokens import TokenStrings
 
 log = logging.getLogger("stoker.api")
 
@@ -177,11 +177,11 @@ class Api:
             return Response(status_code=499)
         limits = self.config.limits
         if kind == "completion":
-            req = protocol.decode(body, protocol.CompletionRequest)
-            gen = protocol.completion_generation(req, limits)
+            req = openai_schema.decode(body, openai_schema.CompletionRequest)
+            gen = openai_schema.completion_generation(req, limits)
         else:
-            req = protocol.decode(body, protocol.ChatRequest)
-            gen = protocol.chat_generation(req, limits)
+            req = openai_schema.decode(body, openai_schema.ChatRequest)
+            gen = openai_schema.chat_generation(req, limits)
         strings: Any = TokenIdStrings() if req.return_tokens_as_token_ids else self.strings
         name = self.config.served_model_name
         if gen.model is not None and gen.model != name:
@@ -258,7 +258,7 @@ class Api:
         queue: DeltaQueue,
         acc: Accumulator,
         fmt: Formatter,
-        gen: protocol.Generation,
+        gen: openai_schema.Generation,
     ) -> AsyncIterator[bytes]:
         if fmt.kind == "chat":
             for i in range(gen.n):
@@ -325,7 +325,7 @@ class Api:
     async def start_profile(self, request: Request) -> Response:
         self._check_profiling(request)
         body = await self._small_body(request)
-        req = protocol.decode(body, ProfileRequest) if body.strip() else ProfileRequest()
+        req = openai_schema.decode(body, ProfileRequest) if body.strip() else ProfileRequest()
         if req.num_steps is not None and req.num_steps < 1:
             raise ApiError("num_steps must be at least 1", param="num_steps")
         msg = ProfileControl("start", req.num_steps or 0, req.record_shapes, req.with_stack)

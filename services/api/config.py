@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from common import model_registry
-from common.config import MAX_MODEL_LEN, PROFILE_DIR, STEP_TIMEOUT_S
-from common.config_args import flag
-from services.api.protocol import DEFAULT_LIMITS, Limits
-from services.api.request_log import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILES
+from stoker.common import model_registry
+from stoker.common.config import MAX_MODEL_LEN, PROFILE_DIR, STEP_TIMEOUT_S
+from stoker.common.config_args import flag
+from stoker.services.api.openai_schema import DEFAULT_LIMITS, Limits
+from stoker.services.api.request_log import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILES
 
 _LIMITS = "limits and access (docs/reliability.md)"
 _REQUEST_LOG = "request log (docs/observability.md)"

@@ -28,7 +28,7 @@ def _digest(text: str) -> str:
 def render_page() -> tuple[bytes, str]:
     """The page with its assets inlined, and a Content-Security-Policy that allows exactly
     those inline scripts and styles, and fetches only to this origin."""
-    folder = resources.files("services.api") / "dashboard"
+    folder = resources.files("stoker.services.api") / "dashboard"
     hashes: dict[str, list[str]] = {"script": [], "style": []}
 
     def inline(match: re.Match[str]) -> str:

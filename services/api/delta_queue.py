@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import collections
 
-from common.messages import TextDelta
+from stoker.common.messages import TextDelta
 
 
 class DeltaQueue:

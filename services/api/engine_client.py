@@ -19,9 +19,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from common.addresses import API_ROUTING_ID, Addresses, bind_address
-from common.ipc import api_from_scheduler_decoder, api_inbound_decoder, encoder
-from common.messages import (
+from stoker.common.addresses import API_ROUTING_ID, Addresses, bind_address
+from stoker.common.ipc import api_from_scheduler_decoder, api_inbound_decoder, encoder
+from stoker.common.messages import (
     Abort,
     EngineFailure,
     ProfileControl,
@@ -32,11 +32,11 @@ from common.messages import (
     TokenizerHeartbeat,
     num_ids,
 )
-from common.protocol import check_peer
-from services.api.delta_queue import DeltaQueue
-from services.api.metrics import LATENCY_BUCKETS, EngineSnapshot, Metrics
-from services.api.protocol import ApiError
-from services.api.request_log import ChoiceLog, RequestLog
+from stoker.common.wire_digest import check_peer
+from stoker.services.api.delta_queue import DeltaQueue
+from stoker.services.api.metrics import LATENCY_BUCKETS, EngineSnapshot, Metrics
+from stoker.services.api.openai_schema import ApiError
+from stoker.services.api.request_log import ChoiceLog, RequestLog
 
 log = logging.getLogger("stoker.api")
 STALE_S = 2.0  # a tokenizer or scheduler silent for longer is unhealthy

@@ -14,7 +14,7 @@ import hmac
 import msgspec
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.api.protocol import ApiError
+from stoker.services.api.openai_schema import ApiError
 
 
 class ApiKeyMiddleware:

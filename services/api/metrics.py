@@ -21,8 +21,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from common.messages import SchedulerStats, SpecStats
-from common.telemetry import (
+from stoker.common.messages import SchedulerStats, SpecStats
+from stoker.common.telemetry import (
     BATCH_BUCKETS,
     BATCH_METRICS,
     STEP_BUCKETS,

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from services.api.protocol import (
+from stoker.services.api.openai_schema import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,

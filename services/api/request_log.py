@@ -27,8 +27,8 @@ import msgspec
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from common.messages import ChatMessage, TextDelta, TokenizeRequest, unpack_ids
-from common.sampling_params import SamplingParams
+from stoker.common.messages import ChatMessage, TextDelta, TokenizeRequest, unpack_ids
+from stoker.common.sampling_params import SamplingParams
 
 log = logging.getLogger("stoker.api.request_log")
 

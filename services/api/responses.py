@@ -7,8 +7,8 @@ import math
 import time
 from typing import Any, Literal
 
-from common.messages import TextDelta, TokenLogprobs, num_ids, unpack_ids
-from services.api.tokens import TokenStrings
+from stoker.common.messages import TextDelta, TokenLogprobs, num_ids, unpack_ids
+from stoker.services.api.tokens import TokenStrings
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ from types import FrameType
 
 import uvicorn
 
-from services.api.app import Api
+from stoker.services.api.app import Api
 
 log = logging.getLogger("stoker.api")
 

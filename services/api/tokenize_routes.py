@@ -15,11 +15,11 @@ from typing import Any
 
 import msgspec
 
-from common.model_registry import resolve_model
-from common.prompt_tokens import prompt_token_ids
-from common.tokenizer_files import load_tokenizer
-from services.api import protocol
-from services.api.protocol import (
+from stoker.common.model_registry import resolve_model
+from stoker.common.prompt_tokens import prompt_token_ids
+from stoker.common.tokenizer_files import load_tokenizer
+from stoker.services.api import openai_schema
+from stoker.services.api.openai_schema import (
     ApiError,
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -43,9 +43,9 @@ def decode_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatRequ
     try:
         raw = msgspec.json.decode(body)
     except (msgspec.DecodeError, RecursionError):
-        raw = None  # protocol.decode words the error
+        raw = None  # openai_schema.decode words the error
     chat = isinstance(raw, dict) and "messages" in raw
-    return protocol.decode(body, TokenizeChatRequest if chat else TokenizeCompletionRequest)
+    return openai_schema.decode(body, TokenizeChatRequest if chat else TokenizeCompletionRequest)
 
 
 class TokenizerEndpoints:
@@ -90,7 +90,7 @@ class TokenizerEndpoints:
         tok = await self.tokenizer()
         if isinstance(req, TokenizeChatRequest):
             messages = [{"role": m.role, "content": m.content}
-                        for m in protocol.chat_messages(req.messages)]  # fmt: skip
+                        for m in openai_schema.chat_messages(req.messages)]  # fmt: skip
             kwargs: dict[str, Any] = {
                 "messages": messages,
                 "add_generation_prompt": req.add_generation_prompt,
@@ -115,7 +115,7 @@ class TokenizerEndpoints:
         return out
 
     async def detokenize(self, body: bytes) -> dict[str, Any]:
-        req = protocol.decode(body, DetokenizeRequest)
+        req = openai_schema.decode(body, DetokenizeRequest)
         self._check_model(req.model)
         tok = await self.tokenizer()
         bad = next((t for t in req.tokens if t >= len(tok)), None)

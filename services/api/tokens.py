@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from common.tokenizer_files import tokenizer_json
+from stoker.common.tokenizer_files import tokenizer_json
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

@@ -1,6 +1,6 @@
-"""Offline API: `from services.engine import LLM, SamplingParams`."""
+"""Offline API: `from stoker.services.engine import LLM, SamplingParams`."""
 
-from common.sampling_params import SamplingParams
-from services.engine.llm import LLM, CompletionOutput, RequestOutput
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.engine.llm import LLM, CompletionOutput, RequestOutput
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]

@@ -17,17 +17,17 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from common.config import EngineConfig
-from common.ipc import encoder
-from common.messages import StepPlan, StepResult
-from common.sampling_params import SamplingParams
-from services.scheduler.admission import Admission
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import RequestUpdate
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from services.scheduler.speculation import SpecPolicy
-from services.worker.model_runner import ModelRunner
-from services.worker.parallel.ranks import Ranks
+from stoker.common.config import EngineConfig
+from stoker.common.ipc import encoder
+from stoker.common.messages import StepPlan, StepResult
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.scheduler.admission import Admission
+from stoker.services.scheduler.block_manager import BlockManager
+from stoker.services.scheduler.request import RequestUpdate
+from stoker.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from stoker.services.scheduler.speculation import SpecPolicy
+from stoker.services.worker.model_runner import ModelRunner
+from stoker.services.worker.parallel.ranks import Ranks
 
 
 class EngineCore:

@@ -13,14 +13,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import msgspec  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from common.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
-from common.finish import finish_reason, text_token_ids  # noqa: E402
-from common.messages import TokenLogprobs  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
-from common.tokenizer_files import load_tokenizer  # noqa: E402
-from services.engine.core import EngineCore  # noqa: E402
-from services.tokenizer.detokenizer import IncrementalDetokenizer  # noqa: E402
-from services.tokenizer.pieces import PieceTables  # noqa: E402
+from stoker.common.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
+from stoker.common.finish import finish_reason, text_token_ids  # noqa: E402
+from stoker.common.messages import TokenLogprobs  # noqa: E402
+from stoker.common.sampling_params import SamplingParams  # noqa: E402
+from stoker.common.tokenizer_files import load_tokenizer  # noqa: E402
+from stoker.services.engine.core import EngineCore  # noqa: E402
+from stoker.services.tokenizer.detokenizer import IncrementalDetokenizer  # noqa: E402
+from stoker.services.tokenizer.pieces import PieceTables  # noqa: E402
 
 Prompt = str | Sequence[int]
 

@@ -9,14 +9,14 @@ import os
 import signal
 from typing import TYPE_CHECKING
 
-from common.addresses import Addresses
-from common.config_args import add_config_json, add_flags, config_from, parse_args
-from common.logs import add_log_format_arg, configure_logging
-from common.shutdown import destroy_context_within, exit_on_sigterm, stop_within
-from services.scheduler.config import SchedulerServiceConfig
+from stoker.common.addresses import Addresses
+from stoker.common.config_args import add_config_json, add_flags, config_from, parse_args
+from stoker.common.logs import add_log_format_arg, configure_logging
+from stoker.common.shutdown import destroy_context_within, exit_on_sigterm, stop_within
+from stoker.services.scheduler.config import SchedulerServiceConfig
 
 if TYPE_CHECKING:
-    from services.scheduler.service import SchedulerService
+    from stoker.services.scheduler.service import SchedulerService
 
 log = logging.getLogger("stoker.scheduler")
 
@@ -24,7 +24,7 @@ log = logging.getLogger("stoker.scheduler")
 async def _serve(service: SchedulerService) -> None:
     # SIGTERM through the loop: a plain Python handler may not run while uvloop sits in
     # epoll_wait with nothing else due, and the process then ignores SIGTERM.
-    from services.scheduler.service import EngineStalled
+    from stoker.services.scheduler.service import EngineStalled
 
     task = asyncio.current_task()
     assert task is not None
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     import uvloop
 
-    from services.scheduler.service import EXIT_STALLED, EngineStalled, SchedulerService
+    from stoker.services.scheduler.service import EXIT_STALLED, EngineStalled, SchedulerService
 
     service = SchedulerService(
         config.engine,

@@ -8,12 +8,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.model_config import ModelConfig
-from common.sampling_params import SamplingParams
-from common.validation import check_request
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler
+from stoker.common.model_config import ModelConfig
+from stoker.common.sampling_params import SamplingParams
+from stoker.common.validation import check_request
+from stoker.services.scheduler.block_manager import BlockManager
+from stoker.services.scheduler.request import Request
+from stoker.services.scheduler.scheduler import Scheduler
 
 
 def arrival_monotonic(wall: float) -> float | None:

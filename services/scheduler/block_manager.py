@@ -341,8 +341,8 @@ class BlockManager:
             assert self._key[b] is None, f"free block {b} still keyed"
         for b in lru:
             assert self._key[b] is not None, f"cached block {b} has no key"
-        for key, b in self._cached.items():
-            assert self._key[b] == key, f"cache entry points at block {b} with another key"
+        for cached_key, b in self._cached.items():
+            assert self._key[b] == cached_key, f"cache entry points at block {b} with another key"
         for b in range(n):
             key = self._key[b]
             assert (key is None) == (self._reg[b] == 0), f"block {b}: key/registration mismatch"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from common.config import STEP_TIMEOUT_S, EngineConfig
-from common.config_args import flag
+from stoker.common.config import STEP_TIMEOUT_S, EngineConfig
+from stoker.common.config_args import flag
 
 
 @dataclasses.dataclass

@@ -24,8 +24,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from common.kv_events_config import KVEventsConfig
-from services.scheduler.block_manager import (
+from stoker.common.kv_events_config import KVEventsConfig
+from stoker.services.scheduler.block_manager import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,

@@ -7,12 +7,12 @@ import time
 
 import msgspec
 
-from common.messages import RequestTokens, SchedulerStats, StepResult, TokenBatch, pack_ids
-from common.protocol import PROTOCOL
-from common.telemetry import BusyTracker, IdleGapAccounting, StepTelemetry
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import RequestUpdate
-from services.scheduler.scheduler import Scheduler
+from stoker.common.messages import RequestTokens, SchedulerStats, StepResult, TokenBatch, pack_ids
+from stoker.common.telemetry import BusyTracker, IdleGapAccounting, StepTelemetry
+from stoker.common.wire_digest import PROTOCOL
+from stoker.services.scheduler.block_manager import BlockManager
+from stoker.services.scheduler.request import RequestUpdate
+from stoker.services.scheduler.scheduler import Scheduler
 
 
 class Owner:

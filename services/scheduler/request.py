@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from common.messages import TokenLogprobs
-from common.sampling_params import SamplingParams
+from stoker.common.messages import TokenLogprobs
+from stoker.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from stoker.services.scheduler.speculation import NgramIndex
 
 NOT_STEADY = -1  # a steady_until below every computed count
 NO_VERIFY_IN_FLIGHT = -1  # a spec_inflight no verify has (a verify may carry 0 drafts)
@@ -92,7 +96,7 @@ class Request:
         self.spec_inflight = NO_VERIFY_IN_FLIGHT  # else: the drafts of the verify in flight
         self.spec_ema: float | None = None  # accepted drafts per verify (EMA); None: no verify yet
         self.spec_paused = 0  # steps in a row planned without drafts for low acceptance
-        self.ngram_index = None
+        self.ngram_index: NgramIndex | None = None
         self.num_draft_tokens = 0  # speculative tokens proposed for it, over all its verifies
         self.num_accepted_tokens = 0  # of those, accepted
 
@@ -149,4 +153,4 @@ class RequestUpdate(msgspec.Struct, gc=False):
     new_token_ids: list[int]
     request: Request
     finish_reason: FinishReason | None = None
-    logprobs: list[TokenLogprobs | None] | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked

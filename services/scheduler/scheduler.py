@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from common.messages import (
+from stoker.common.messages import (
     NewRequestData,
     RunningRequestData,
     StepPlan,
@@ -31,10 +31,10 @@ from common.messages import (
     pack_ids,
     unpack_ids,
 )
-from services.scheduler import steady
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.request import (
+from stoker.services.scheduler import steady
+from stoker.services.scheduler.block_manager import BlockManager
+from stoker.services.scheduler.config import SchedulerConfig
+from stoker.services.scheduler.request import (
     NO_VERIFY_IN_FLIGHT,
     NOT_STEADY,
     FinishReason,
@@ -42,8 +42,8 @@ from services.scheduler.request import (
     RequestStatus,
     RequestUpdate,
 )
-from services.scheduler.speculation import SpecPolicy
-from services.scheduler.waiting import WaitingQueue
+from stoker.services.scheduler.speculation import SpecPolicy
+from stoker.services.scheduler.waiting import WaitingQueue
 
 
 class Scheduler:
@@ -399,11 +399,12 @@ class Scheduler:
             logprobs = None if result.logprobs is None else result.logprobs[offset : offset + count]
             if logprobs is not None and logprobs[0] is None:
                 logprobs = None  # another request in the step asked; this one did not
+            # (A row that asked has an entry for every token.)
             offset += count
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran: drop the tokens
-            update = self._append(request, tokens, logprobs)
+            update = self._append(request, tokens, logprobs)  # type: ignore[arg-type]
             if update is not None:
                 updates.append(update)
         return updates
@@ -412,7 +413,7 @@ class Scheduler:
         self,
         request: Request,
         tokens: list[int],
-        logprobs: list[TokenLogprobs | None] | None,
+        logprobs: list[TokenLogprobs] | None,
     ) -> RequestUpdate | None:
         if request.spec_inflight != NO_VERIFY_IN_FLIGHT:
             assert self.spec is not None

@@ -23,11 +23,11 @@ from pathlib import Path
 import msgspec
 import zmq.asyncio
 
-from common.addresses import API_ROUTING_ID, Addresses
-from common.config import EngineConfig
-from common.fairness import let_others_run
-from common.ipc import scheduler_inbound_decoder
-from common.messages import (
+from stoker.common.addresses import API_ROUTING_ID, Addresses
+from stoker.common.config import EngineConfig
+from stoker.common.fairness import let_others_run
+from stoker.common.ipc import scheduler_inbound_decoder
+from stoker.common.messages import (
     Abort,
     EngineFailure,
     GenerateRequest,
@@ -38,17 +38,17 @@ from common.messages import (
     WorkerReady,
     unpack_ids,
 )
-from common.model_config import ModelConfig
-from common.profiling import Profiler, control, span
-from services.scheduler.admission import Admission, arrival_monotonic
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.kv_events import make_publisher
-from services.scheduler.publish import Owner, StepStats, token_batches
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
-from services.scheduler.speculation import SpecPolicy
-from services.scheduler.tokenizer_outbox import TokenizerOutbox, bind_router
-from services.scheduler.worker_link import EngineStalled as EngineStalled  # for __main__
-from services.scheduler.worker_link import WorkerLink
+from stoker.common.model_config import ModelConfig
+from stoker.common.profiling import Profiler, control, span
+from stoker.services.scheduler.admission import Admission, arrival_monotonic
+from stoker.services.scheduler.block_manager import BlockManager
+from stoker.services.scheduler.kv_events import make_publisher
+from stoker.services.scheduler.publish import Owner, StepStats, token_batches
+from stoker.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from stoker.services.scheduler.speculation import SpecPolicy
+from stoker.services.scheduler.tokenizer_outbox import TokenizerOutbox, bind_router
+from stoker.services.scheduler.worker_link import EngineStalled as EngineStalled  # for __main__
+from stoker.services.scheduler.worker_link import WorkerLink
 
 log = logging.getLogger("stoker.scheduler")
 STATS_INTERVAL_S = 0.25
@@ -278,6 +278,7 @@ class SchedulerService:
                     updates = self.scheduler.update(plan, result)
                     outbox.send_batches(token_batches(updates, self.owners))
                 if self.kv_events is not None:  # once per step, after its blocks are computed
+                    assert self.blocks is not None  # set with the worker, before any step
                     self.kv_events.publish(self.blocks.take_events())
                 self.step_stats.record(result, time.perf_counter() - t0)
                 if self.profiler.active:

@@ -22,9 +22,9 @@ Adaptive policy (docs/speculation.md):
 
 from __future__ import annotations
 
-from common.config import NGRAM_SPECULATIVE_TOKENS, EngineConfig
-from common.messages import SpecStats
-from services.scheduler.request import Request
+from stoker.common.config import NGRAM_SPECULATIVE_TOKENS, EngineConfig
+from stoker.common.messages import SpecStats
+from stoker.services.scheduler.request import Request
 
 EMA_WEIGHT = 0.5  # recent verifies dominate: acceptance shifts quickly within one answer
 PROBE_EVERY = 8  # a request sitting out drafts verifies one again after this many steps

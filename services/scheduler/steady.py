@@ -23,11 +23,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from common.messages import RunningRequestData, StepPlan
-from services.scheduler.request import NO_VERIFY_IN_FLIGHT, Request, RequestStatus, RequestUpdate
+from stoker.common.messages import RunningRequestData, StepPlan
+from stoker.services.scheduler.request import (
+    NO_VERIFY_IN_FLIGHT,
+    Request,
+    RequestStatus,
+    RequestUpdate,
+)
 
 if TYPE_CHECKING:
-    from services.scheduler.scheduler import Scheduler
+    from stoker.services.scheduler.scheduler import Scheduler
 
 # A row of the running section planned off the steady path: (row, token count, new blocks,
 # packed draft ids, draft count). Steady rows take 1 token and no new block.

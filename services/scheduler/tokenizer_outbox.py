@@ -8,6 +8,7 @@ TOKENIZER_STALL_S, is handed to `on_lost`, which fails its requests loudly.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import time
@@ -16,9 +17,9 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from common.addresses import API_ROUTING_ID, bind_address
-from common.ipc import encoder
-from common.messages import EngineFailure, RequestTokens, SchedulerStats, TokenBatch
+from stoker.common.addresses import API_ROUTING_ID, bind_address
+from stoker.common.ipc import encoder
+from stoker.common.messages import EngineFailure, RequestTokens, SchedulerStats, TokenBatch
 
 log = logging.getLogger("stoker.scheduler")
 # Token batches queued for one tokenizer (one batch per step; its own receive queue holds about
@@ -114,5 +115,7 @@ class TokenizerOutbox:
         triggered, and a send on a shadow can consume the edge that would have woken the pending
         recv, leaving requests unread in the socket until some other message arrives."""
         sent = self.router.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        if sent.done() and sent.exception() is not None:
-            raise sent.exception()  # type: ignore[misc]
+        assert isinstance(sent, asyncio.Future)  # an asyncio socket's send is a future
+        error = sent.exception() if sent.done() else None
+        if error is not None:
+            raise error

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from services.scheduler.request import Request
+from stoker.services.scheduler.request import Request
 
 
 class WaitingQueue:

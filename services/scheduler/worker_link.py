@@ -19,9 +19,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from common.addresses import Addresses, bind_address
-from common.ipc import encoder, worker_outbound_decoder
-from common.messages import (
+from stoker.common.addresses import Addresses, bind_address
+from stoker.common.ipc import encoder, worker_outbound_decoder
+from stoker.common.messages import (
     EngineFailure,
     ProfileControl,
     SchedulerHello,
@@ -29,7 +29,7 @@ from common.messages import (
     StepResult,
     WorkerReady,
 )
-from common.protocol import PROTOCOL, check_peer
+from stoker.common.wire_digest import PROTOCOL, check_peer
 
 log = logging.getLogger("stoker.scheduler")
 # While a worker from another build is refused, the api hears why this often (it may connect
@@ -100,7 +100,7 @@ class WorkerLink:
             else:
                 try:
                     raw = await asyncio.wait_for(self.results.recv(), REFUSAL_REPEAT_S)
-                except asyncio.TimeoutError:  # an api that connected since must hear it too
+                except TimeoutError:  # an api that connected since must hear it too
                     self._tell_api(EngineFailure(refused))
                     continue
             msg = decode(raw)

@@ -6,9 +6,9 @@ import argparse
 import socket
 import uuid
 
-from common.config_args import add_config_json, add_flags, config_from, parse_args
-from common.logs import add_log_format_arg, configure_logging
-from services.tokenizer.config import TokenizerConfig
+from stoker.common.config_args import add_config_json, add_flags, config_from, parse_args
+from stoker.common.logs import add_log_format_arg, configure_logging
+from stoker.services.tokenizer.config import TokenizerConfig
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(parser, argv)
     configure_logging("tokenizer", args.log_format)
     config = config_from(parser, TokenizerConfig, args)
-    from services.tokenizer.service import serve  # the tokenizer libraries: not for --help
+    from stoker.services.tokenizer.service import serve  # the tokenizer libraries: not for --help
 
     slot = config.id or f"tok-{socket.gethostname()}"
     serve(config.model, f"{slot}-{uuid.uuid4().hex[:8]}", config.max_model_len, slot)

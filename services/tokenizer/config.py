@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import MAX_MODEL_LEN
-from common.config_args import flag
+from stoker.common.config import MAX_MODEL_LEN
+from stoker.common.config_args import flag
 
 
 @dataclass

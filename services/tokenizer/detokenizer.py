@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 from tokenizers.decoders import DecodeStream
 
-from common.sampling_params import SamplingParams
+from stoker.common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
-    from services.tokenizer.pieces import PieceTables
+    from stoker.services.tokenizer.pieces import PieceTables
 
 # Prompt tokens primed into the stream so the first output token decodes as it would in a full
 # decode (leading-space rules, preceding bytes). Only the previous token matters for common

@@ -23,11 +23,11 @@ import uvloop  # noqa: E402
 import zmq  # noqa: E402
 import zmq.asyncio  # noqa: E402
 
-from common.addresses import Addresses  # noqa: E402
-from common.fairness import let_others_run  # noqa: E402
-from common.finish import finish_reason, text_token_ids  # noqa: E402
-from common.ipc import encoder, tokenize_request_decoder, tokenizer_inbound_decoder  # noqa: E402
-from common.messages import (  # noqa: E402
+from stoker.common.addresses import Addresses  # noqa: E402
+from stoker.common.fairness import let_others_run  # noqa: E402
+from stoker.common.finish import finish_reason, text_token_ids  # noqa: E402
+from stoker.common.ipc import encoder, tokenize_request_decoder, tokenizer_inbound_decoder  # noqa: E402
+from stoker.common.messages import (  # noqa: E402
     Abort,
     GenerateRequest,
     RequestTokens,
@@ -40,15 +40,15 @@ from common.messages import (  # noqa: E402
     unpack_ids,
     unpack_one_id,
 )
-from common.model_config import ModelConfig, resolve_max_model_len  # noqa: E402
-from common.model_registry import resolve_model  # noqa: E402
-from common.prompt_tokens import prompt_token_ids  # noqa: E402
-from common.protocol import PROTOCOL  # noqa: E402
-from common.sampling_params import SamplingParams  # noqa: E402
-from common.tokenizer_files import load_tokenizer  # noqa: E402
-from common.validation import check_request  # noqa: E402
-from services.tokenizer.detokenizer import IncrementalDetokenizer  # noqa: E402
-from services.tokenizer.pieces import PieceTables  # noqa: E402
+from stoker.common.model_config import ModelConfig, resolve_max_model_len  # noqa: E402
+from stoker.common.model_registry import resolve_model  # noqa: E402
+from stoker.common.prompt_tokens import prompt_token_ids  # noqa: E402
+from stoker.common.sampling_params import SamplingParams  # noqa: E402
+from stoker.common.tokenizer_files import load_tokenizer  # noqa: E402
+from stoker.common.validation import check_request  # noqa: E402
+from stoker.common.wire_digest import PROTOCOL  # noqa: E402
+from stoker.services.tokenizer.detokenizer import IncrementalDetokenizer  # noqa: E402
+from stoker.services.tokenizer.pieces import PieceTables  # noqa: E402
 
 log = logging.getLogger("stoker.tokenizer")
 HEARTBEAT_S = 0.5

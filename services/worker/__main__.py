@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import signal
 
-from common.addresses import Addresses
-from common.config import EngineConfig
-from common.config_args import add_config_json, add_flags, config_from, parse_args
-from common.logs import add_log_format_arg, configure_logging
-from common.shutdown import exit_on_sigterm
-from services.worker.service import run_worker
+from stoker.common.addresses import Addresses
+from stoker.common.config import EngineConfig
+from stoker.common.config_args import add_config_json, add_flags, config_from, parse_args
+from stoker.common.logs import add_log_format_arg, configure_logging
+from stoker.common.shutdown import exit_on_sigterm
+from stoker.services.worker.service import run_worker
 
 
 def main(argv: list[str] | None = None) -> None:

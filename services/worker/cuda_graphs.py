@@ -34,9 +34,9 @@ import time
 import numpy as np
 import torch
 
-from services.worker.attention_metadata import AttentionMetadata
-from services.worker.models.llama import LlamaForCausalLM
-from services.worker.step_inputs import Chunk
+from stoker.services.worker.attention_metadata import AttentionMetadata
+from stoker.services.worker.models.llama import LlamaForCausalLM
+from stoker.services.worker.step_inputs import Chunk
 
 log = logging.getLogger("stoker.worker")
 # Device memory a captured graph holds outside torch's allocator (its executable form), a

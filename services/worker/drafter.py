@@ -14,14 +14,14 @@ from collections.abc import Iterable
 import msgspec
 import torch
 
-from common.model_config import ModelConfig, ModelLoadError
-from common.sampling_params import SamplingParams
-from services.worker.kv_sizing import kv_block_bytes
-from services.worker.loader import check_model_folder, load_model
-from services.worker.proposer import Proposal, ProposalItem, Proposer, Zeros
-from services.worker.sampler import SamplingBatch, argmax_rows, filtered_probs
-from services.worker.sampling_noise import MASK63, SEED_MIX, exponential_noise, seeded_noise
-from services.worker.step_inputs import Chunk, build_step_inputs, max_decode_chunk
+from stoker.common.model_config import ModelConfig, ModelLoadError
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.worker.kv_sizing import kv_block_bytes
+from stoker.services.worker.loader import check_model_folder, load_model
+from stoker.services.worker.proposer import Proposal, ProposalItem, Proposer, Zeros
+from stoker.services.worker.sampler import SamplingBatch, argmax_rows, filtered_probs
+from stoker.services.worker.sampling_noise import MASK63, SEED_MIX, exponential_noise, seeded_noise
+from stoker.services.worker.step_inputs import Chunk, build_step_inputs, max_decode_chunk
 
 _DRAFT_SALT = 0x5EED_D4AF  # keeps draft noise apart from the target sampler's (seed, position)
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_ops
-from services.worker.models.layers import linear, pack_weight
+from stoker.kernels import cpu_ops
+from stoker.services.worker.models.layers import linear, pack_weight
 
 log = logging.getLogger("stoker.worker")
 

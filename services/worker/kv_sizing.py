@@ -21,17 +21,17 @@ import math
 
 import torch
 
-from common.config import EngineConfig
-from common.model_config import ModelConfig
-from common.sampling_params import SamplingParams
-from services.worker.cpu_tuning import resident_zeros
-from services.worker.cuda_graphs import GRAPH_OVERHEAD_BYTES
-from services.worker.models.layers import CausalLM
-from services.worker.models.llama import LlamaForCausalLM
-from services.worker.parallel.comm import Communicator
-from services.worker.proposer import Proposer
-from services.worker.sampler import Sampler, SamplingBatch
-from services.worker.step_inputs import Chunk, build_step_inputs
+from stoker.common.config import EngineConfig
+from stoker.common.model_config import ModelConfig
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.worker.cpu_tuning import resident_zeros
+from stoker.services.worker.cuda_graphs import GRAPH_OVERHEAD_BYTES
+from stoker.services.worker.models.layers import CausalLM
+from stoker.services.worker.models.llama import LlamaForCausalLM
+from stoker.services.worker.parallel.comm import Communicator
+from stoker.services.worker.proposer import Proposer
+from stoker.services.worker.sampler import Sampler, SamplingBatch
+from stoker.services.worker.step_inputs import Chunk, build_step_inputs
 
 log = logging.getLogger("stoker.worker")
 GIB = 1024**3

@@ -10,15 +10,15 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from common.gguf_file import find_gguf, iter_gguf_tensors
-from common.model_config import ModelConfig, ModelLoadError
-from kernels import cpu_ops
-from services.worker.models import model_class
-from services.worker.models.layers import CausalLM, pack_linear_weights
-from services.worker.models.llama import enable_native_layers
-from services.worker.parallel.comm import Communicator
-from services.worker.parallel.layers import parallelize
-from services.worker.parallel.shard import check_divisible, shard_config, shard_state
+from stoker.common.gguf_file import find_gguf, iter_gguf_tensors
+from stoker.common.model_config import ModelConfig, ModelLoadError
+from stoker.kernels import cpu_ops
+from stoker.services.worker.models import model_class
+from stoker.services.worker.models.layers import CausalLM, pack_linear_weights
+from stoker.services.worker.models.llama import enable_native_layers
+from stoker.services.worker.parallel.comm import Communicator
+from stoker.services.worker.parallel.layers import parallelize
+from stoker.services.worker.parallel.shard import check_divisible, shard_config, shard_state
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -14,39 +14,39 @@ import time
 
 import torch
 
-from common.config import EngineConfig
-from common.messages import StepPlan, StepResult, TokenLogprobs, pack_ids, unpack_ids
-from common.model_config import ModelConfig, resolve_max_model_len
-from common.profiling import span
-from kernels import cpu_ops
-from services.worker.block_table import BlockTable
-from services.worker.cpu_tuning import keep_freed_memory, release_freed_memory
-from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
-from services.worker.drafter import Drafter
-from services.worker.eagle.config import is_eagle_head
-from services.worker.eagle.proposer import EagleProposer, refuse_tensor_parallel
-from services.worker.forward_timer import ForwardTimer
-from services.worker.greedy_head import GreedyHead
-from services.worker.greedy_head import wanted as greedy_head_wanted
-from services.worker.host_copy import to_device
-from services.worker.kv_sizing import kv_zeros, pool_block_bytes, size_kv_pool
-from services.worker.loader import check_model_folder, load_model, resolve_dtype
-from services.worker.models.layers import CausalLM
-from services.worker.parallel.comm import Communicator
-from services.worker.parallel.shard import local_kv_heads
-from services.worker.plain_decode import execute_plain_decode, steady_states
-from services.worker.proposer import Proposer
-from services.worker.request_state import RequestState, Scheduled
-from services.worker.sampler import Sampler
-from services.worker.sampling_state import RequestSampling
-from services.worker.step_inputs import (
+from stoker.common.config import EngineConfig
+from stoker.common.messages import StepPlan, StepResult, TokenLogprobs, pack_ids, unpack_ids
+from stoker.common.model_config import ModelConfig, resolve_max_model_len
+from stoker.common.profiling import span
+from stoker.kernels import cpu_ops
+from stoker.services.worker.block_table import BlockTable
+from stoker.services.worker.cpu_tuning import keep_freed_memory, release_freed_memory
+from stoker.services.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from stoker.services.worker.drafter import Drafter
+from stoker.services.worker.eagle.config import is_eagle_head
+from stoker.services.worker.eagle.proposer import EagleProposer, refuse_tensor_parallel
+from stoker.services.worker.forward_timer import ForwardTimer
+from stoker.services.worker.greedy_head import GreedyHead
+from stoker.services.worker.greedy_head import wanted as greedy_head_wanted
+from stoker.services.worker.host_copy import to_device
+from stoker.services.worker.kv_sizing import kv_zeros, pool_block_bytes, size_kv_pool
+from stoker.services.worker.loader import check_model_folder, load_model, resolve_dtype
+from stoker.services.worker.models.layers import CausalLM
+from stoker.services.worker.parallel.comm import Communicator
+from stoker.services.worker.parallel.shard import local_kv_heads
+from stoker.services.worker.plain_decode import execute_plain_decode, steady_states
+from stoker.services.worker.proposer import Proposer
+from stoker.services.worker.request_state import RequestState, Scheduled
+from stoker.services.worker.sampler import Sampler
+from stoker.services.worker.sampling_state import RequestSampling
+from stoker.services.worker.step_inputs import (
     Chunk,
     StepInputs,
     build_step_inputs,
     max_decode_chunk,
     sample_ranges,
 )
-from services.worker.step_sampling import greedy_outputs, null_outputs, sample_outputs
+from stoker.services.worker.step_sampling import greedy_outputs, null_outputs, sample_outputs
 
 log = logging.getLogger("stoker.worker")
 

@@ -23,17 +23,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.messages import StepPlan, StepResult, TokenLogprobs, pack_ids
-from common.profiling import span
-from services.worker.host_copy import host_list
-from services.worker.proposer import Proposer
-from services.worker.request_state import RequestState, null_next_token
-from services.worker.sampling_state import Row, batch_for
-from services.worker.step_inputs import build_decode_inputs
-from services.worker.step_sampling import request_logprobs
+from stoker.common.messages import StepPlan, StepResult, TokenLogprobs, pack_ids
+from stoker.common.profiling import span
+from stoker.services.worker.host_copy import host_list
+from stoker.services.worker.proposer import Proposer
+from stoker.services.worker.request_state import RequestState, null_next_token
+from stoker.services.worker.sampling_state import Row, batch_for
+from stoker.services.worker.step_inputs import build_decode_inputs
+from stoker.services.worker.step_sampling import request_logprobs
 
 if TYPE_CHECKING:  # the runner imports this module
-    from services.worker.model_runner import ModelRunner
+    from stoker.services.worker.model_runner import ModelRunner
 
 
 def steady_states(

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from common.sampling_params import SamplingParams
-from services.worker.step_inputs import Chunk
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.worker.step_inputs import Chunk
 
 # (req_id, known token ids, block ids, params, k, output tokens so far)
 ProposalItem = tuple[str, list[int], list[int], SamplingParams, int, int]

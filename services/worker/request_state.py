@@ -9,8 +9,8 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from common.sampling_params import SamplingParams
-from services.worker.sampling_state import RequestSampling
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.worker.sampling_state import RequestSampling
 
 IdsT = TypeVar("IdsT", int, np.ndarray)
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from common.messages import TokenLogprobs
-from common.sampling_params import SamplingParams
-from kernels import dispatch
-from services.worker.host_copy import to_device
-from services.worker.sampling_noise import noise_rows, random_keys, seeded_key
+from stoker.common.messages import TokenLogprobs
+from stoker.common.sampling_params import SamplingParams
+from stoker.kernels import dispatch
+from stoker.services.worker.host_copy import to_device
+from stoker.services.worker.sampling_noise import noise_rows, random_keys, seeded_key
 
 
 @dataclass

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from kernels import cpu_ops
+from stoker.kernels import cpu_ops
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB

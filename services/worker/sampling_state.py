@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.sampling_params import SamplingParams
-from services.worker.sampler import (
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.worker.sampler import (
     SamplingBatch,
     bias_tensors,
     count_tokens,

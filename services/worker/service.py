@@ -14,17 +14,17 @@ import time
 import msgspec
 import zmq
 
-from common.addresses import Addresses
-from common.config import EngineConfig
-from common.ipc import encoder, plan_decoder
-from common.messages import ProfileControl, SchedulerHello, WorkerReady
-from common.profiling import Profiler, control
-from common.protocol import PROTOCOL, check_peer
-from common.telemetry import plan_ipc_time
-from services.worker.model_runner import ModelRunner
-from services.worker.parallel.follower import follow
-from services.worker.parallel.ranks import Ranks
-from services.worker.warmup import warm_up
+from stoker.common.addresses import Addresses
+from stoker.common.config import EngineConfig
+from stoker.common.ipc import encoder, plan_decoder
+from stoker.common.messages import ProfileControl, SchedulerHello, WorkerReady
+from stoker.common.profiling import Profiler, control
+from stoker.common.telemetry import plan_ipc_time
+from stoker.common.wire_digest import PROTOCOL, check_peer
+from stoker.services.worker.model_runner import ModelRunner
+from stoker.services.worker.parallel.follower import follow
+from stoker.services.worker.parallel.ranks import Ranks
+from stoker.services.worker.warmup import warm_up
 
 log = logging.getLogger("stoker.worker")
 

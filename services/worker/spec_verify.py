@@ -23,8 +23,14 @@ import dataclasses
 
 import torch
 
-from services.worker.sampler import SamplingBatch, apply_penalties, argmax_rows, race, race_probs
-from services.worker.sampling_noise import exponential_noise, seeded_noise
+from stoker.services.worker.sampler import (
+    SamplingBatch,
+    apply_penalties,
+    argmax_rows,
+    race,
+    race_probs,
+)
+from stoker.services.worker.sampling_noise import exponential_noise, seeded_noise
 
 
 @dataclasses.dataclass

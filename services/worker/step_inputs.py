@@ -13,9 +13,9 @@ from itertools import chain
 import numpy as np
 import torch
 
-from common.model_config import ModelConfig
-from kernels.dispatch import decode_reads_cache_in_place
-from services.worker.attention_metadata import AttentionMetadata, PrefillSpan
+from stoker.common.model_config import ModelConfig
+from stoker.kernels.dispatch import decode_reads_cache_in_place
+from stoker.services.worker.attention_metadata import AttentionMetadata, PrefillSpan
 
 
 @dataclasses.dataclass(slots=True)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from common.messages import TokenLogprobs
-from services.worker.host_copy import host_list
-from services.worker.request_state import RequestState, Scheduled, null_next_token
-from services.worker.sampler import Sampler, token_logprobs
-from services.worker.sampling_state import Row, batch_for
-from services.worker.spec_verify import VerifyGroup, accept_equal, verify
-from services.worker.step_inputs import Chunk
+from stoker.common.messages import TokenLogprobs
+from stoker.services.worker.host_copy import host_list
+from stoker.services.worker.request_state import RequestState, Scheduled, null_next_token
+from stoker.services.worker.sampler import Sampler, token_logprobs
+from stoker.services.worker.sampling_state import Row, batch_for
+from stoker.services.worker.spec_verify import VerifyGroup, accept_equal, verify
+from stoker.services.worker.step_inputs import Chunk
 
 # Per sampled request: its new tokens, and their logprobs where it asked.
 Output = tuple[list[int], list[TokenLogprobs] | None]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import time
 
-from common.messages import NewRequestData, RunningRequestData, StepPlan, pack_ids
-from common.sampling_params import SamplingParams
+from stoker.common.messages import NewRequestData, RunningRequestData, StepPlan, pack_ids
+from stoker.common.sampling_params import SamplingParams
 
 log = logging.getLogger("stoker.worker")
 WARMUP_ID = "__stoker_warmup__"

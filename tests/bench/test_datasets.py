@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.bench import datasets
-from services.bench.client import build_payload, chunk_text
-from services.bench.datasets import SampleRequest, TokenSampler
+from stoker.tools.bench import datasets
+from stoker.tools.bench.client import build_payload, chunk_text
+from stoker.tools.bench.datasets import SampleRequest, TokenSampler
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.bench.client import RequestResult
-from services.bench.metrics import (
+from stoker.tools.bench.client import RequestResult
+from stoker.tools.bench.metrics import (
     bin_widths,
     compute_metrics,
     format_table,
@@ -128,7 +128,7 @@ def test_format_table() -> None:
 
 
 def test_sse_lines_survive_chunks_split_anywhere() -> None:
-    from services.bench.client import sse_data_lines
+    from stoker.tools.bench.client import sse_data_lines
 
     stream = b'data: {"a": 1}\n\n: comment\nevent: x\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
     for size in (1, 2, 3, 7, len(stream)):

@@ -24,8 +24,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.bench import offline, serve
-from services.bench.plot import have_matplotlib
+from stoker.tools.bench import offline, serve
+from stoker.tools.bench.plot import have_matplotlib
 
 MODEL = "fake-model"
 KNOWN = {

@@ -9,13 +9,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-CLI = [sys.executable, "-m", "services.cli"]  # one stoker service: CLI + [name, args...]
+CLI = [sys.executable, "-m", "stoker.cli"]  # one stoker service: CLI + [name, args...]
 
 
 def service_env(run_dir: str | Path) -> dict[str, str]:
     """The environment for a set of stoker services started one by one, talking over sockets in
     run_dir, offline."""
-    from common.addresses import Addresses
+    from stoker.common.addresses import Addresses
 
     return {**os.environ, "HF_HUB_OFFLINE": "1", **Addresses.in_run_dir(str(run_dir)).to_env()}
 

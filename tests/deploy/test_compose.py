@@ -49,7 +49,8 @@ def test_structure():
     dockerfile = (REPO / "Dockerfile").read_text()
     assert "ARG BASE_IMAGE=python:3.11-slim" in dockerfile
     assert re.search(r"^USER stoker$", dockerfile, re.M), "the image runs as a non-root user"
-    assert "services.fetch_model smollm2" in dockerfile and "--no-index --find-links" in dockerfile
+    assert "stoker.services.fetch_model smollm2" in dockerfile
+    assert "--no-index --find-links" in dockerfile
 
 
 def test_monitoring_profile_mounts_files_that_exist_and_scrapes_the_api():
@@ -103,7 +104,7 @@ def test_services_run_as_local_processes():
             env.update({k: _local(str(v), api_port) for k, v in svc["environment"].items()})
             cmd = [_local(str(a), api_port) for a in svc["command"]]
             assert cmd[0] == "stoker"
-            cmd = [sys.executable, "-m", "services.cli", *cmd[1:]]
+            cmd = [sys.executable, "-m", "stoker.cli", *cmd[1:]]
             procs.append(subprocess.Popen(cmd, env=env, cwd=REPO))
         wait_healthy(f"http://127.0.0.1:{api_port}/health", procs=procs)
         body = json.dumps({"model": "stoker-tiny", "prompt": "ROMEO:", "max_tokens": 8})

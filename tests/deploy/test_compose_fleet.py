@@ -97,7 +97,7 @@ def test_fleet_services_run_as_local_processes(tmp_path):
             cmd[cmd.index("--host") + 1] = "127.0.0.1"
             cmd += ["--null-model", "--run-dir", str(tmp_path / name)]
             procs.append(
-                subprocess.Popen([sys.executable, "-m", "services.cli", *cmd[1:]], cwd=REPO)
+                subprocess.Popen([sys.executable, "-m", "stoker.cli", *cmd[1:]], cwd=REPO)
             )
         url = f"http://127.0.0.1:{base}"
 

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from common.config import EngineConfig
-from common.config_args import (
+from stoker.common.config import EngineConfig
+from stoker.common.config_args import (
     Flag,
     add_config_json,
     add_flags,
@@ -23,10 +23,10 @@ from common.config_args import (
     parse_args,
     to_json,
 )
-from services.api.config import ApiConfig
-from services.launcher import _commands, build_parser
-from services.scheduler.config import SchedulerServiceConfig
-from services.tokenizer.config import TokenizerConfig
+from stoker.launcher import _commands, build_parser
+from stoker.services.api.config import ApiConfig
+from stoker.services.scheduler.config import SchedulerServiceConfig
+from stoker.services.tokenizer.config import TokenizerConfig
 
 SHARED = Flag(3, "shared by two classes")
 
@@ -141,17 +141,17 @@ def test_serve_hands_each_child_one_json_config(tmp_path, monkeypatch):
     kids = _children(argv)
     assert set(kids) == {"worker", "scheduler", "tokenizer-0", "tokenizer-1", "api"}
     for name, cmd in kids.items():
-        assert cmd[1:2] == ["-m"] and cmd[3] == "--config-json" and len(cmd) == 5, name
+        assert cmd[1:3] == ["-P", "-m"] and cmd[4] == "--config-json" and len(cmd) == 6, name
         assert "sekret" not in " ".join(cmd)  # argv is world-readable: the key goes by env
-    worker = from_json(EngineConfig, kids["worker"][4])
+    worker = from_json(EngineConfig, kids["worker"][5])
     assert worker.max_num_seqs == 8 and not worker.enable_prefix_caching
     assert worker.max_model_len == 64 and worker.profile_dir == str(tmp_path / "prof")
-    scheduler = from_json(SchedulerServiceConfig, kids["scheduler"][4])
+    scheduler = from_json(SchedulerServiceConfig, kids["scheduler"][5])
     assert scheduler.engine == worker and scheduler.no_overlap and scheduler.step_timeout_s == 5
-    tokenizer = from_json(TokenizerConfig, kids["tokenizer-1"][4])
+    tokenizer = from_json(TokenizerConfig, kids["tokenizer-1"][5])
     assert (tokenizer.model, tokenizer.id, tokenizer.max_model_len) == (model, "tok-1", 64)
     monkeypatch.setenv("STOKER_API_KEY", "sekret")
-    api = from_json(ApiConfig, kids["api"][4])
+    api = from_json(ApiConfig, kids["api"][5])
     assert (api.num_tokenizers, api.step_timeout_s, api.limits.max_n) == (2, 5.0, 4)
     assert api.api_key == "sekret" and api.served_model_name == "m"
     assert api.profile_dir == worker.profile_dir
@@ -167,11 +167,11 @@ def test_serve_flags_match_the_services_run_alone(tmp_path):
     add_flags(parser, SchedulerServiceConfig)
     alone = from_args(SchedulerServiceConfig, parser.parse_args([*argv, "--no-overlap"]))
     kids = _children([*argv, "--no-overlap"])
-    assert from_json(SchedulerServiceConfig, kids["scheduler"][4]) == alone
+    assert from_json(SchedulerServiceConfig, kids["scheduler"][5]) == alone
 
 
 def test_a_bad_engine_flag_stops_serve_before_anything_starts(tmp_path):
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--max-num-seqs", "0"]
+    cmd = [sys.executable, "-m", "stoker.cli", "serve", "--max-num-seqs", "0"]
     cmd += ["--run-dir", str(tmp_path / "run")]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "max_num_seqs must be positive" in out.stderr

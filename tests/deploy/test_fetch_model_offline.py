@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from common.model_registry import FETCHED
-from services.fetch_model import FetchError, download_gguf, readable_as_umask_allows
+from stoker.common.model_registry import FETCHED
+from stoker.services.fetch_model import FetchError, download_gguf, readable_as_umask_allows
 
 SPEC = FETCHED["smollm2"]
 

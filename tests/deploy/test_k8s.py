@@ -38,7 +38,7 @@ from kubernetes_validate.utils import latest_version, schema_contents
 from openai import OpenAI
 from smg.launch_router import parse_router_args
 
-from services.launcher import build_parser as stoker_serve_parser
+from stoker.launcher import build_parser as stoker_serve_parser
 from tests.deploy.procs import alive, children_of, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -670,7 +670,7 @@ def test_router_discovers_a_real_replica_through_the_pod_api(objs: list[Obj], tm
     try:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         replica = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", *ec["command"][1:], *serve_args],
+            [sys.executable, "-m", "stoker.cli", *ec["command"][1:], *serve_args],
             env=env,
             start_new_session=True,
         )

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from services.launcher import Child, _restart
+from stoker.launcher import Child, _restart
 
 
 def test_a_crash_looping_tokenizer_waits_out_its_backoff_without_blocking():

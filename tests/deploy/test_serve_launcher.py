@@ -40,7 +40,7 @@ def _metrics(url: str) -> dict[str, float]:
 
 def _start(model, tmp_path, port):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model)]
+    cmd = [sys.executable, "-m", "stoker.cli", "serve", "--model", str(model)]
     cmd += ["--port", str(port), "--tokenizers", "2", "--run-dir", str(run_dir)]
     cmd += ["--num-kv-blocks", "64"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -57,7 +57,7 @@ def test_serve_answers_and_sigterm_leaves_nothing_behind(model, tmp_path):
         base = os.getpriority(os.PRIO_PROCESS, 0)
         for kid in kids:  # the front end yields the CPU to the engine (--frontend-nice 10)
             cmdline = Path(f"/proc/{kid}/cmdline").read_bytes()
-            engine = b"services.worker" in cmdline or b"services.scheduler" in cmdline
+            engine = b"stoker.services.worker" in cmdline or b"stoker.services.scheduler" in cmdline
             want = base if engine else min(base + 10, 19)
             assert os.getpriority(os.PRIO_PROCESS, kid) == want, cmdline
         body = json.dumps({"model": model.name, "prompt": [5, 6, 7], "max_tokens": 4})
@@ -79,7 +79,9 @@ def test_dead_child_is_named_and_serve_exits_nonzero(model, tmp_path):
     port = free_port()
     proc, _ = _start(model, tmp_path, port)
     kids = children_of(proc.pid)
-    worker = next(k for k in kids if b"services.worker" in Path(f"/proc/{k}/cmdline").read_bytes())
+    worker = next(
+        k for k in kids if b"stoker.services.worker" in Path(f"/proc/{k}/cmdline").read_bytes()
+    )
     os.kill(worker, signal.SIGKILL)
     assert proc.wait(timeout=30) == 1
     assert "worker exited with code -9" in proc.stderr.read()
@@ -90,7 +92,7 @@ def test_dead_child_is_named_and_serve_exits_nonzero(model, tmp_path):
 
 
 def test_a_kv_pool_beyond_free_memory_fails_fast_with_the_flag(model, tmp_path):
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model)]
+    cmd = [sys.executable, "-m", "stoker.cli", "serve", "--model", str(model)]
     cmd += ["--port", str(free_port()), "--run-dir", str(tmp_path / "run")]
     cmd += ["--kv-cache-memory-gb", "100000"]  # 100 TB: more than any machine running this
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -106,7 +108,7 @@ def test_null_model_runs_the_whole_pipeline_and_exports_step_telemetry(model, tm
 
     port = free_port()
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--null-model"]
+    cmd = [sys.executable, "-m", "stoker.cli", "serve", "--model", str(model), "--null-model"]
     cmd += ["--port", str(port), "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -169,7 +171,7 @@ def _greedy_texts(model: Path, run_dir: Path, flags: list[str], check=None) -> l
     """Start `stoker serve` with flags, complete GREEDY_PROMPTS (24 tokens each), call
     check(port) while it is up, and stop it with SIGTERM (which must exit 0)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model)]
+    cmd = [sys.executable, "-m", "stoker.cli", "serve", "--model", str(model)]
     cmd += ["--port", str(port), "--run-dir", str(run_dir), *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:

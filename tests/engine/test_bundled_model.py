@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.config import DEFAULT_MODEL
-from services.engine import LLM, SamplingParams
+from stoker.common.config import DEFAULT_MODEL
+from stoker.services.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(
     not (DEFAULT_MODEL / "config.json").exists(), reason="the bundled model is not built"

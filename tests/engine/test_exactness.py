@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.engine import LLM, SamplingParams
+from stoker.services.engine import LLM, SamplingParams
 from tests.factory import make_model
 
 NEW_TOKENS = 32

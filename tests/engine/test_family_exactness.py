@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from services.engine import LLM
+from stoker.services.engine import LLM
 from tests.engine.test_exactness import GREEDY, _hf_greedy
 from tests.factory import make_model
 

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from services.engine import LLM, SamplingParams
+from stoker.services.engine import LLM, SamplingParams
 from tests.factory import make_model
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engine import LLM, SamplingParams
+from stoker.services.engine import LLM, SamplingParams
 from tests.factory import make_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

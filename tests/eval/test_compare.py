@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.eval.compare import (
+from stoker.tools.eval.compare import (
     Output,
     Step,
     Tolerances,

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.eval.run import main as eval_main
-from services.eval.sources import GOLDEN, Item, Transformers, load_items
+from stoker.tools.eval.run import main as eval_main
+from stoker.tools.eval.sources import GOLDEN, Item, Transformers, load_items
 from tests.factory import make_model
 from tests.reliability.serve import REPO, Served
 
@@ -80,11 +80,11 @@ def test_eval_passes_on_a_faithful_deployment(root, folder, faithful, prompts, c
 
 
 def test_cli_states_its_tolerances():
-    cmd = [sys.executable, "-m", "services.cli", "eval", "--help"]
+    cmd = [sys.executable, "-m", "stoker.cli", "eval", "--help"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0
     assert "--logprob-atol (0.02)" in done.stdout and "--tie-margin" in done.stdout
-    usage = subprocess.run([sys.executable, "-m", "services.cli"], cwd=REPO, capture_output=True)
+    usage = subprocess.run([sys.executable, "-m", "stoker.cli"], cwd=REPO, capture_output=True)
     assert b"\n  eval " in usage.stdout
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from services.fleet.workload import PrefixCounters, prefix_counters
+from stoker.tools.fleet.workload import PrefixCounters, prefix_counters
 from tests.deploy.procs import alive, children_of
 
 MODEL = "stoker-tiny"
@@ -62,7 +62,7 @@ class Fleet:
         want = f"--port {self.replica_ports[i]} "
         for kid in children_of(self.proc.pid):
             cmdline = Path(f"/proc/{kid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            if "services.cli serve" in cmdline and want in cmdline + " ":
+            if "cli serve" in cmdline and want in cmdline + " ":
                 return kid
         raise LookupError(f"replica {i} is not running")
 
@@ -99,7 +99,7 @@ def start_fleet(
 ) -> Fleet:
     port = free_port_run(replicas + 2)
     metrics_port = port + replicas + 1
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", model]
+    cmd = [sys.executable, "-m", "stoker.cli", "serve", "--model", model]
     cmd += ["--null-model"] if null else []
     cmd += ["--replicas", str(replicas), "--router", "smg", "--port", str(port)]
     cmd += ["--router-metrics-port", str(metrics_port), "--run-dir", str(run_dir), *extra]

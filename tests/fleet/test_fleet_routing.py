@@ -15,8 +15,8 @@ import time
 import pytest
 from openai import AsyncOpenAI
 
-from services.fleet.plan import router_command
-from services.fleet.workload import PrefixCounters, shared_prefix_prompts
+from stoker.tools.fleet.plan import router_command
+from stoker.tools.fleet.workload import PrefixCounters, shared_prefix_prompts
 from tests.fleet.fleet_procs import (
     MODEL,
     Fleet,

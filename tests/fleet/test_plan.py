@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from services.fleet.plan import check_replica_argv, plan_fleet, replica_argv
-from services.fleet.workload import PrefixCounters, prefix_counters, shared_prefix_prompts
-from services.launcher import build_parser
+from stoker.launcher import build_parser
+from stoker.tools.fleet.plan import check_replica_argv, plan_fleet, replica_argv
+from stoker.tools.fleet.workload import PrefixCounters, prefix_counters, shared_prefix_prompts
 
 
 def _plan(argv: list[str]):
@@ -31,7 +31,7 @@ def test_replicas_get_their_own_ports_and_run_dirs_and_the_router_their_urls():
         Path("/run/fleet/replica-1"),
     ]
     assert plan.replicas[1].cmd == [
-        "py", "-m", "services.cli", "serve", "--model", "m", "--tokenizers", "2",
+        "py", "-P", "-m", "stoker.cli", "serve", "--model", "m", "--tokenizers", "2",
         "--host", "127.0.0.1", "--port", "9002", "--run-dir", "/run/fleet/replica-1",
     ]  # fmt: skip
     cmd = plan.router_cmd

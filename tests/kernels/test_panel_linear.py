@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops
-from services.worker.cpu_tuning import HUGE_PAGE
-from services.worker.models.layers import linear, pack_weight, pack_weights
+from stoker.kernels import cpu_ops
+from stoker.services.worker.cpu_tuning import HUGE_PAGE
+from stoker.services.worker.models.layers import linear, pack_weight, pack_weights
 
 _module = cpu_ops.load()
 pytestmark = pytest.mark.skipif(

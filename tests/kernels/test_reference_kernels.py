@@ -8,15 +8,15 @@ import math
 import pytest
 import torch
 
-from kernels import cpu_ops
-from kernels.paged_attention import (
+from stoker.kernels import cpu_ops
+from stoker.kernels.paged_attention import (
     causal_attention,
     paged_decode_attention,
     paged_prefill_attention,
     store_kv,
 )
-from kernels.rms_norm import add_rms_norm, rms_norm
-from kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+from stoker.kernels.rms_norm import add_rms_norm, rms_norm
+from stoker.kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 from tests.kernels.paged_cache import random_paged_cache
 
 
@@ -89,7 +89,7 @@ def test_store_kv_writes_exactly_the_slots():
 def test_native_silu_and_mul_equals_the_reference(rows, inter):
     """Within float32 rounding of torch's silu(gate) * up, from a strided view of a wider
     projection too, and at inputs whose exp overflows or underflows."""
-    from kernels.activation import silu_and_mul
+    from stoker.kernels.activation import silu_and_mul
 
     gen = torch.Generator().manual_seed(rows)
     wide = torch.randn(rows, 2 * inter + 6, generator=gen) * 6
@@ -214,7 +214,7 @@ def test_rotary_rotates_pairs_by_position():
 @pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
 @pytest.mark.parametrize("rows, hidden", [(1, 64), (37, 320), (130, 768)])
 def test_native_norms_match_reference(rows, hidden):
-    from kernels.rms_norm import add_rms_norm, rms_norm
+    from stoker.kernels.rms_norm import add_rms_norm, rms_norm
 
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, hidden, generator=gen) * 3
@@ -231,7 +231,7 @@ def test_native_norms_match_reference(rows, hidden):
 @pytest.mark.parametrize("hq, hk, d", [(12, 4, 64), (5, 5, 64), (4, 2, 128)])
 def test_native_rotary_is_bitwise_the_reference(hq, hk, d):
     """On views into a fused qkv row (as the model passes them), rounding as the reference."""
-    from kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+    from stoker.kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 
     tokens = 19
     qkv = torch.randn(tokens, (hq + 2 * hk) * d)
@@ -251,7 +251,7 @@ def test_native_rotary_is_bitwise_the_reference(hq, hk, d):
 def test_native_bfloat16_norms_round_as_the_reference(rows, hidden):
     """bfloat16 rows: the same rounding points as the reference's ops; only the float32 sum of
     squares may add up in another order, which can move a result by one bfloat16 step."""
-    from kernels.rms_norm import add_rms_norm, rms_norm
+    from stoker.kernels.rms_norm import add_rms_norm, rms_norm
 
     gen = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, hidden, generator=gen) * 3).bfloat16()
@@ -270,7 +270,7 @@ def test_native_bfloat16_norms_round_as_the_reference(rows, hidden):
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels could not be built here")
 def test_native_bfloat16_rotary_is_bitwise_the_reference():
-    from kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+    from stoker.kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 
     tokens, hq, hk, d = 19, 9, 3, 64
     qkv = torch.randn(tokens, (hq + 2 * hk) * d).bfloat16()

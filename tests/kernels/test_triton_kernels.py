@@ -29,15 +29,15 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernels import activation as ref_act  # noqa: E402
-from kernels import dispatch  # noqa: E402
-from kernels import paged_attention as ref_attn  # noqa: E402
-from kernels import rms_norm as ref_norm  # noqa: E402
-from kernels import rotary as ref_rope  # noqa: E402
-from kernels import triton_activation as tact  # noqa: E402
-from kernels import triton_attention as ta  # noqa: E402
-from kernels import triton_norm_rope as tn  # noqa: E402
-from kernels import triton_sampling as ts  # noqa: E402
+from stoker.kernels import activation as ref_act  # noqa: E402
+from stoker.kernels import dispatch  # noqa: E402
+from stoker.kernels import paged_attention as ref_attn  # noqa: E402
+from stoker.kernels import rms_norm as ref_norm  # noqa: E402
+from stoker.kernels import rotary as ref_rope  # noqa: E402
+from stoker.kernels import triton_activation as tact  # noqa: E402
+from stoker.kernels import triton_attention as ta  # noqa: E402
+from stoker.kernels import triton_norm_rope as tn  # noqa: E402
+from stoker.kernels import triton_sampling as ts  # noqa: E402
 
 if not ON_CUDA and type(ta._decode_kernel).__name__ != "InterpretedFunction":  # compiled earlier
     ta, tn, ts = importlib.reload(ta), importlib.reload(tn), importlib.reload(ts)
@@ -455,7 +455,7 @@ def test_silu_and_mul_matches_reference(dtype, shape):
 
 
 def _race_want(probs: torch.Tensor, keys: torch.Tensor) -> list[int]:
-    from services.worker.sampling_noise import _noise_torch
+    from stoker.services.worker.sampling_noise import _noise_torch
 
     return (probs / _noise_torch(keys, probs.shape[-1])).max(dim=-1).indices.tolist()
 
@@ -484,8 +484,8 @@ def test_race_sample_matches_the_materialised_noise(rows, vocab, monkeypatch):
 def test_sampler_race_through_the_triton_kernel_matches_torch():
     """Sampler end to end (temperature, top-p, min-p, a seeded row) with the race forced onto
     the kernel: the tokens the materialised-noise path picks."""
-    from common.sampling_params import SamplingParams
-    from services.worker.sampler import Sampler, SamplingBatch
+    from stoker.common.sampling_params import SamplingParams
+    from stoker.services.worker.sampler import Sampler, SamplingBatch
 
     vocab = 3000
     params = [
@@ -564,11 +564,11 @@ def test_package_imports_and_runs_without_triton():
         import sys
         sys.modules["triton"] = None  # import triton now raises ImportError
         import torch
-        from kernels import dispatch
+        from stoker.kernels import dispatch
         x = torch.randn(3, 8)
         torch.testing.assert_close(dispatch.rms_norm(x, torch.ones(8), 1e-6),
                                    x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
-        assert "kernels.triton_attention" not in sys.modules
+        assert "stoker.kernels.triton_attention" not in sys.modules
         assert not dispatch.triton_available()
         try:
             with dispatch.force_triton():
@@ -592,10 +592,10 @@ def test_tiny_model_forced_triton_matches_torch(tmp_path, monkeypatch):
     """Greedy tokens and logprobs of a tiny qwen3 (q/k norm, GQA 4) through the engine, with the
     model's kernels swapped for dispatch's forced onto triton: prefill from 0, chunked prefill
     and prefix-cache hits (paged prefill over a prefix) and batched decode all run."""
-    from common.sampling_params import SamplingParams
-    from kernels import cpu_ops
-    from services.engine import LLM
-    from services.worker.models import layers
+    from stoker.common.sampling_params import SamplingParams
+    from stoker.kernels import cpu_ops
+    from stoker.services.engine import LLM
+    from stoker.services.worker.models import layers
     from tests.factory import make_model
 
     path = make_model(
@@ -661,8 +661,8 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import triton_attention as ta, triton_norm_rope as tn, triton_sampling as ts
-from kernels import triton_activation as tact
+from stoker.kernels import triton_attention as ta, triton_norm_rope as tn, triton_sampling as ts
+from stoker.kernels import triton_activation as tact
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 BACKEND = triton.compiler.make_backend(TARGET)

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import paged_attention as ref
-from services.worker.sampling_noise import _noise_torch
+from stoker.kernels import paged_attention as ref
+from stoker.services.worker.sampling_noise import _noise_torch
 from tests.kernels.paged_cache import random_paged_cache
 
 pytestmark = pytest.mark.slow

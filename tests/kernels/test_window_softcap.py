@@ -8,8 +8,8 @@ import itertools
 import pytest
 import torch
 
-from kernels import cpu_ops
-from kernels.paged_attention import (
+from stoker.kernels import cpu_ops
+from stoker.kernels.paged_attention import (
     causal_attention,
     paged_decode_attention,
     paged_prefill_attention,

@@ -17,8 +17,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from kernels import paged_attention as ref_attn  # noqa: E402
-from kernels import triton_attention as ta  # noqa: E402
+from stoker.kernels import paged_attention as ref_attn  # noqa: E402
+from stoker.kernels import triton_attention as ta  # noqa: E402
 
 if not ON_CUDA and type(ta._decode_kernel).__name__ != "InterpretedFunction":  # compiled earlier
     ta = importlib.reload(ta)

@@ -43,6 +43,6 @@ def reference_backend() -> contextlib.AbstractContextManager[None]:
     """What a test compares triton with through `dispatch`: on CPU its default (the references,
     or the native kernels where built), as before; on CUDA the default is triton itself, so the
     torch references are forced."""
-    from kernels import dispatch
+    from stoker.kernels import dispatch
 
     return dispatch.force_backend("torch") if ON_CUDA else contextlib.nullcontext()

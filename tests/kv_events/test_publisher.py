@@ -11,8 +11,8 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.kv_events import KVEventsConfig, ZmqEventPublisher, make_publisher
+from stoker.services.scheduler.block_manager import BlockManager
+from stoker.services.scheduler.kv_events import KVEventsConfig, ZmqEventPublisher, make_publisher
 from tests.kv_events.subscriber import Replica, replay
 
 BS = 4
@@ -110,7 +110,7 @@ def test_wire_shape_is_vllms() -> None:
         KVEventsConfig(enable_kv_cache_events=True, endpoint="inproc://x")
     )
     try:
-        from services.scheduler.block_manager import BlocksRemoved, BlocksStored
+        from stoker.services.scheduler.block_manager import BlocksRemoved, BlocksStored
 
         batch = publisher._batch([BlocksStored([5, 6], None, list(range(8))), BlocksRemoved([5])])
         raw = msgspec.msgpack.decode(msgspec.msgpack.encode(batch))

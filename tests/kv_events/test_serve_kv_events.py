@@ -60,7 +60,7 @@ def test_metric_aliases_and_kv_events_predict_prefix_hits(model, tmp_path) -> No
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     sub.connect(f"tcp://127.0.0.1:{pub_port}")  # before the server binds: ZMQ reconnects
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model)]
+    cmd = [sys.executable, "-m", "stoker.cli", "serve", "--model", str(model)]
     cmd += ["--port", str(port), "--tokenizers", "1", "--run-dir", str(tmp_path / "run")]
     cmd += ["--num-kv-blocks", str(NUM_BLOCKS), "--block-size", str(BS)]
     cmd += ["--kv-events-config", json.dumps(config)]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.model_registry import BUNDLED, BUNDLED_DIR
+from stoker.common.model_registry import BUNDLED, BUNDLED_DIR
 
 MB = 1_000_000
 

@@ -20,10 +20,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.messages import ChatMessage, TokenizeRequest
-from common.sampling_params import SamplingParams
-from services.engine import LLM
-from services.fetch_model import FetchError, fetch_model, gguf_path
+from stoker.common.messages import ChatMessage, TokenizeRequest
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.engine import LLM
+from stoker.services.fetch_model import FetchError, fetch_model, gguf_path
 from tests.deploy.procs import free_port, stop_all, wait_healthy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -116,7 +116,7 @@ def test_offline_greedy_equals_transformers_on_the_gguf(smollm2, hf_tokenizer, h
 def served(smollm2, tmp_path_factory):
     port = free_port()
     log = open(tmp_path_factory.mktemp("smollm2") / "serve.log", "w+")  # noqa: SIM115
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", "smollm2"]
+    cmd = [sys.executable, "-m", "stoker.cli", "serve", "--model", "smollm2"]
     cmd += ["--port", str(port), "--num-kv-blocks", "512"]
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -156,8 +156,8 @@ def test_served_answers_equal_transformers_and_the_offline_llm(served, hf_tokeni
 
 
 def test_chat_template_equals_transformers(smollm2, hf_tokenizer, tmp_path):
-    from common.addresses import Addresses
-    from services.tokenizer.service import TokenizerService
+    from stoker.common.addresses import Addresses
+    from stoker.services.tokenizer.service import TokenizerService
 
     service = TokenizerService("smollm2", "tok-test", Addresses.in_run_dir(tmp_path))
     for chat in CHATS:

@@ -24,7 +24,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.api.dashboard_routes import render_page
+from stoker.services.api.dashboard_routes import render_page
 from tests.factory import make_model
 from tests.reliability.serve import Served
 

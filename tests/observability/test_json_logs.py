@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from common.logs import JsonFormatter, TextFormatter, configure_logging
+from stoker.common.logs import JsonFormatter, TextFormatter, configure_logging
 from tests.factory import make_model
 from tests.reliability.serve import Served
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.addresses import Addresses
-from common.config import EngineConfig
-from common.messages import GenerateRequest, WorkerReady, pack_ids
-from common.sampling_params import SamplingParams
-from services.scheduler.admission import arrival_monotonic
-from services.scheduler.service import SchedulerService
+from stoker.common.addresses import Addresses
+from stoker.common.config import EngineConfig
+from stoker.common.messages import GenerateRequest, WorkerReady, pack_ids
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.scheduler.admission import arrival_monotonic
+from stoker.services.scheduler.service import SchedulerService
 from tests.factory import make_model
 from tests.reliability.serve import Served
 
@@ -142,7 +142,7 @@ def test_queue_time_starts_at_the_api(model, tmp_path) -> None:
 
 
 def test_queue_time_help_says_where_it_starts() -> None:
-    from services.api.metrics import EngineSnapshot, Metrics
+    from stoker.services.api.metrics import EngineSnapshot, Metrics
 
     text = Metrics(lambda: EngineSnapshot(None, {})).render().decode()
     help_line = next(
@@ -152,7 +152,7 @@ def test_queue_time_help_says_where_it_starts() -> None:
 
 
 def test_plan_ipc_leaves_out_the_wait_behind_the_step_in_flight() -> None:
-    from common.telemetry import plan_ipc_time
+    from stoker.common.telemetry import plan_ipc_time
 
     # Overlap: plan N+1 sent at 10.0 while step N ran until 12.0; decoded 1 ms after.
     assert plan_ipc_time(10.0, 12.0, 12.001) == pytest.approx(0.001)

@@ -10,10 +10,10 @@ import msgspec
 import pytest
 import torch
 
-from common import profiling
-from common.ipc import encoder, plan_decoder, scheduler_inbound_decoder
-from common.messages import Abort, ProfileControl, SchedulerHello
-from common.profiling import Profiler, span
+from stoker.common import profiling
+from stoker.common.ipc import encoder, plan_decoder, scheduler_inbound_decoder
+from stoker.common.messages import Abort, ProfileControl, SchedulerHello
+from stoker.common.profiling import Profiler, span
 
 
 def _names(path: Path) -> set[str]:

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from services import replay
+from stoker.tools import replay
 from tests.factory import make_model
 from tests.reliability.serve import Served
 

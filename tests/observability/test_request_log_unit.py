@@ -9,9 +9,9 @@ from pathlib import Path
 
 import msgspec
 
-from common.messages import ChatMessage, TextDelta, TokenizeRequest, pack_ids
-from common.sampling_params import SamplingParams
-from services.api.request_log import ChoiceLog, RequestLog, RotatingWriter, build_record
+from stoker.common.messages import ChatMessage, TextDelta, TokenizeRequest, pack_ids
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.api.request_log import ChoiceLog, RequestLog, RotatingWriter, build_record
 
 
 def _request(prompt: str | None = "hi", **params) -> TokenizeRequest:
@@ -170,8 +170,8 @@ def test_writer_flushes_when_idle(tmp_path: Path) -> None:
 
 
 def test_scheduler_counts_drafts_per_request() -> None:
-    from services.scheduler.request import Request
-    from services.scheduler.speculation import SpecPolicy
+    from stoker.services.scheduler.request import Request
+    from stoker.services.scheduler.speculation import SpecPolicy
 
     policy = SpecPolicy("ngram", 3)
     a = Request("a", [1, 2, 3], SamplingParams(), 8, (0,))

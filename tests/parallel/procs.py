@@ -15,6 +15,6 @@ def rank_processes(parent: int) -> list[int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"services.worker.parallel.follower" in cmd:
+        if b"stoker.services.worker.parallel.follower" in cmd:
             out.append(pid)
     return out

@@ -12,8 +12,8 @@ import sys
 import pytest
 from openai import OpenAI
 
-from common.sampling_params import SamplingParams
-from services.engine import LLM
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.engine import LLM
 from tests.deploy.procs import free_port
 from tests.factory import make_model
 from tests.reliability.serve import ENV, REPO, Served
@@ -33,7 +33,7 @@ def test_two_nodes_on_loopback_match_one_rank(tmp_path):
     multi = ["-tp", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     node1_log = open(tmp_path / "node1.log", "w")  # noqa: SIM115
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "worker", "--model", str(model), *ENGINE, *multi,
+        [sys.executable, "-m", "stoker.cli", "worker", "--model", str(model), *ENGINE, *multi,
          "--node-rank", "1"],
         cwd=REPO, env=ENV, stdout=node1_log, stderr=subprocess.STDOUT,
     )  # fmt: skip

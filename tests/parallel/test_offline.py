@@ -16,9 +16,9 @@ import random
 
 import pytest
 
-from common.model_config import ModelLoadError
-from common.sampling_params import SamplingParams
-from services.engine import LLM
+from stoker.common.model_config import ModelLoadError
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.engine import LLM
 from tests.engine.test_family_exactness import FAMILIES
 from tests.factory import make_model
 from tests.parallel.procs import rank_processes

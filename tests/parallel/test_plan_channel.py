@@ -20,8 +20,8 @@ def _free_port() -> int:
 def _rank(rank: int, port: int, out) -> None:  # noqa: ANN001
     import torch
 
-    from services.worker.parallel.comm import Communicator
-    from services.worker.parallel.plan_channel import PlanChannel
+    from stoker.services.worker.parallel.comm import Communicator
+    from stoker.services.worker.parallel.plan_channel import PlanChannel
 
     comm = Communicator(rank, 2, torch.device("cpu"), "127.0.0.1", port)
     plans = PlanChannel(comm, "127.0.0.1", single_node=True)

@@ -11,8 +11,8 @@ import time
 
 from openai import OpenAI
 
-from common.sampling_params import SamplingParams
-from services.engine import LLM
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.engine import LLM
 from tests.deploy.procs import alive
 from tests.factory import make_model
 from tests.parallel.procs import rank_processes

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.model_config import ModelConfig, ModelLoadError
-from services.worker.models.layers import GatedMLP
-from services.worker.parallel.shard import (
+from stoker.common.model_config import ModelConfig, ModelLoadError
+from stoker.services.worker.models.layers import GatedMLP
+from stoker.services.worker.parallel.shard import (
     Shard,
     check_divisible,
     local_kv_heads,

@@ -27,7 +27,7 @@ class Served:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
-        cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model)]
+        cmd = [sys.executable, "-m", "stoker.cli", "serve", "--model", str(model)]
         cmd += ["--port", str(self.port), "--run-dir", str(run_dir), *flags]
         self.log_path = log
         self._log = open(log, "w+")  # noqa: SIM115
@@ -53,7 +53,7 @@ class Served:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if f"services.{module}".encode() in cmdline.split(b"\0"):
+            if f"stoker.services.{module}".encode() in cmdline.split(b"\0"):
                 out.append(pid)
         return out
 

@@ -8,8 +8,8 @@ import stat
 import httpx
 import pytest
 
-from common.addresses import private_dir
-from services.api.guard import ApiKeyMiddleware
+from stoker.common.addresses import private_dir
+from stoker.services.api.guard import ApiKeyMiddleware
 from tests.reliability.serve import Served
 
 KEY = "sk-test-5f3a"
@@ -106,6 +106,6 @@ def test_run_dir_is_private(tmp_path):
 
 
 def test_binds_loopback_by_default():
-    from services.launcher import build_parser
+    from stoker.launcher import build_parser
 
     assert build_parser().parse_args([]).host == "127.0.0.1"

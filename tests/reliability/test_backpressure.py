@@ -15,15 +15,15 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from common.addresses import API_ROUTING_ID, Addresses, bind_address
-from common.config import EngineConfig
-from common.ipc import (
+from stoker.common.addresses import API_ROUTING_ID, Addresses, bind_address
+from stoker.common.config import EngineConfig
+from stoker.common.ipc import (
     api_from_scheduler_decoder,
     api_inbound_decoder,
     encoder,
     tokenizer_inbound_decoder,
 )
-from common.messages import (
+from stoker.common.messages import (
     EngineFailure,
     GenerateRequest,
     RequestTokens,
@@ -33,10 +33,10 @@ from common.messages import (
     pack_ids,
     unpack_ids,
 )
-from common.sampling_params import SamplingParams
-from common.shutdown import destroy_context_within
-from services.scheduler import tokenizer_outbox
-from services.scheduler.service import SchedulerService
+from stoker.common.sampling_params import SamplingParams
+from stoker.common.shutdown import destroy_context_within
+from stoker.services.scheduler import tokenizer_outbox
+from stoker.services.scheduler.service import SchedulerService
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -178,7 +178,7 @@ def test_a_flooded_tokenizer_keeps_heartbeating(model, tmp_path):
     api = ctx.socket(zmq.PULL)  # stands in for the api: collects heartbeats
     api.bind(bind_address(addresses.api_inbound))
     env = dict(os.environ, HF_HUB_OFFLINE="1", **addresses.to_env())
-    cmd = [sys.executable, "-m", "services.cli", "tokenizer", "--model", str(model)]
+    cmd = [sys.executable, "-m", "stoker.cli", "tokenizer", "--model", str(model)]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO)
     try:
         assert api.poll(60_000), "the tokenizer never heartbeat"

@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import asyncio
 
-from common.addresses import Addresses
-from common.messages import SchedulerStats, TextBatch, TextDelta, TokenizerHeartbeat, pack_ids
-from common.protocol import PROTOCOL
-from services.api.engine_client import EngineClient, _Track
+from stoker.common.addresses import Addresses
+from stoker.common.messages import (
+    SchedulerStats,
+    TextBatch,
+    TextDelta,
+    TokenizerHeartbeat,
+    pack_ids,
+)
+from stoker.common.wire_digest import PROTOCOL
+from stoker.services.api.engine_client import EngineClient, _Track
 
 
 def _client(**kw) -> EngineClient:

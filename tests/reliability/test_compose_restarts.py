@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from common.addresses import Addresses
+from stoker.common.addresses import Addresses
 from tests.deploy.procs import free_port, stop_all, wait_healthy
 from tests.reliability.serve import ENV, REPO
 
@@ -68,7 +68,7 @@ def _blocks_free(url: str) -> None:
 def test_each_process_restarts_alone_and_the_set_serves_again(model, tmp_path):
     port = free_port()
     env = {**ENV, **Addresses.in_run_dir(str(tmp_path / "run")).to_env()}
-    py = [sys.executable, "-m", "services.cli"]
+    py = [sys.executable, "-m", "stoker.cli"]
     m = ["--model", str(model)]
     cmds = {
         "worker": [*py, "worker", *m, "--null-model"],

@@ -9,9 +9,9 @@ import httpx
 import msgspec
 import zmq
 
-from common.addresses import Addresses
-from common.messages import Abort, GenerateRequest, SchedulerStats, StepResult, TextBatch
-from common.sampling_params import SamplingParams
+from stoker.common.addresses import Addresses
+from stoker.common.messages import Abort, GenerateRequest, SchedulerStats, StepResult, TextBatch
+from stoker.common.sampling_params import SamplingParams
 from tests.deploy.procs import alive
 from tests.reliability.serve import Served
 

@@ -1,4 +1,4 @@
-"""Processes from different stoker builds refuse each other (common/protocol.py): the wire
+"""Processes from different stoker builds refuse each other (common/wire_digest.py): the wire
 digest follows the messages' layout, and the api, scheduler and worker check it at their
 handshakes and say why in /health and in each request's error."""
 
@@ -17,12 +17,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from common.addresses import Addresses
-from common.config import DEFAULT_MODEL
-from common.messages import SchedulerStats, TokenizerHeartbeat
-from common.protocol import PROTOCOL, check_peer, wire_digest
-from services.api.engine_client import EngineClient
-from services.api.protocol import ApiError
+from stoker.common.addresses import Addresses
+from stoker.common.config import DEFAULT_MODEL
+from stoker.common.messages import SchedulerStats, TokenizerHeartbeat
+from stoker.common.wire_digest import PROTOCOL, check_peer, wire_digest
+from stoker.services.api.engine_client import EngineClient
+from stoker.services.api.openai_schema import ApiError
 from tests.deploy.procs import free_port, service_env, stop_all, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ def test_the_digest_follows_the_layout_not_the_prose():
 
 def test_every_process_of_one_build_computes_the_same_digest():
     out = subprocess.run(
-        [sys.executable, "-c", "from common.protocol import PROTOCOL; print(PROTOCOL)"],
+        [sys.executable, "-c", "from stoker.common.wire_digest import PROTOCOL; print(PROTOCOL)"],
         capture_output=True,
         text=True,
         check=True,
@@ -101,7 +101,7 @@ def test_the_api_refuses_a_scheduler_from_another_build():
 
 
 def test_a_tokenizer_from_another_build_gets_no_requests(monkeypatch):
-    monkeypatch.setattr("services.api.engine_client.TOKENIZER_WAIT_S", 0.0)
+    monkeypatch.setattr("stoker.services.api.engine_client.TOKENIZER_WAIT_S", 0.0)
     asyncio.run(_tokenizer_of_another_build())
 
 
@@ -127,10 +127,10 @@ async def _tokenizer_of_another_build() -> None:
 _OTHER_BUILD = [
     sys.executable,
     "-c",
-    "import sys, common.protocol as p; p.PROTOCOL = 'fedcba9876543210'; "
-    "from services.cli import main; sys.exit(main())",
+    "import sys, stoker.common.wire_digest as p; p.PROTOCOL = 'fedcba9876543210'; "
+    "from stoker.cli import main; sys.exit(main())",
 ]
-_THIS_BUILD = [sys.executable, "-m", "services.cli"]
+_THIS_BUILD = [sys.executable, "-m", "stoker.cli"]
 
 
 def _get(url: str) -> tuple[int, str]:

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 HANGS_ON_EXIT = """
 import signal, sys, threading, time
-from common.shutdown import exit_on_sigterm
+from stoker.common.shutdown import exit_on_sigterm
 signal.signal(signal.SIGTERM, exit_on_sigterm)
 def wedged_cleanup():
     time.sleep(600)  # a close that never returns
@@ -51,7 +51,7 @@ def test_a_hung_exit_is_cut_off_with_its_stacks() -> None:
 def test_usr2_prints_stacks_and_the_process_goes_on() -> None:
     proc = _start(
         "import time\n"
-        "from common.logs import configure_logging\n"
+        "from stoker.common.logs import configure_logging\n"
         "configure_logging('test')\n"
         "def waiting_here():\n"
         "    print('ready', flush=True)\n"

@@ -11,7 +11,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from services.scheduler.block_manager import (
+from stoker.services.scheduler.block_manager import (
     AllBlocksCleared,
     BlockManager,
     BlocksRemoved,

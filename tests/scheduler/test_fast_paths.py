@@ -10,7 +10,7 @@ from collections import deque
 
 import pytest
 
-from common.ipc import encoder
+from stoker.common.ipc import encoder
 from tests.fake_worker import EOS, FakeWorker, assert_idle, make, next_token, req
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from common.ipc import encoder
-from common.messages import StepResult, pack_ids
-from common.sampling_params import SamplingParams
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from stoker.common.ipc import encoder
+from stoker.common.messages import StepResult, pack_ids
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.scheduler.block_manager import BlockManager
+from stoker.services.scheduler.request import Request
+from stoker.services.scheduler.scheduler import Scheduler, SchedulerConfig
 
 BATCH = 256
 
@@ -46,8 +46,8 @@ def test_decode_plan_is_small_and_independent_of_context_length():
 def test_token_ids_travel_as_one_int32_buffer():
     """Results, token batches and prompts carry ids as a packed array, not a msgpack int list
     (which decodes into one Python object per id)."""
-    from common.ipc import tokenizer_inbound_decoder, worker_outbound_decoder
-    from common.messages import RequestTokens, TokenBatch, unpack_ids
+    from stoker.common.ipc import tokenizer_inbound_decoder, worker_outbound_decoder
+    from stoker.common.messages import RequestTokens, TokenBatch, unpack_ids
 
     ids = list(range(1000, 1000 + BATCH))
     raw = pack_ids(ids)

@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from common.addresses import Addresses
-from common.config import EngineConfig
-from common.ipc import encoder, tokenizer_inbound_decoder
-from common.messages import GenerateRequest, TokenBatch, TokenLogprobs, WorkerReady, pack_ids
-from common.sampling_params import SamplingParams
-from common.shutdown import destroy_context_within
-from services.scheduler.publish import token_batches
-from services.scheduler.request import FinishReason
-from services.scheduler.scheduler import RequestUpdate
-from services.scheduler.service import SchedulerService
+from stoker.common.addresses import Addresses
+from stoker.common.config import EngineConfig
+from stoker.common.ipc import encoder, tokenizer_inbound_decoder
+from stoker.common.messages import GenerateRequest, TokenBatch, TokenLogprobs, WorkerReady, pack_ids
+from stoker.common.sampling_params import SamplingParams
+from stoker.common.shutdown import destroy_context_within
+from stoker.services.scheduler.publish import token_batches
+from stoker.services.scheduler.request import FinishReason
+from stoker.services.scheduler.scheduler import RequestUpdate
+from stoker.services.scheduler.service import SchedulerService
 from tests.factory import make_model
 
 

@@ -17,9 +17,16 @@ from collections.abc import Callable
 
 import pytest
 
-from common.messages import NewRequestData, StepPlan, StepResult, TokenLogprobs, num_ids, pack_ids
-from services.scheduler.request import FinishReason, Request
-from services.scheduler.scheduler import Scheduler
+from stoker.common.messages import (
+    NewRequestData,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+    num_ids,
+    pack_ids,
+)
+from stoker.services.scheduler.request import FinishReason, Request
+from stoker.services.scheduler.scheduler import Scheduler
 from tests.fake_worker import EOS, VOCAB, FakeWorker, assert_idle, make, req
 
 

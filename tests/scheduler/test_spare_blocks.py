@@ -8,8 +8,8 @@ from collections import deque
 
 import pytest
 
-import services.scheduler.scheduler as scheduler_module
-from services.scheduler.scheduler import DECODE_SPARE_BLOCKS
+import stoker.services.scheduler.scheduler as scheduler_module
+from stoker.services.scheduler.scheduler import DECODE_SPARE_BLOCKS
 from tests.fake_worker import EOS, FakeWorker, assert_idle, make, req
 from tests.scheduler.test_fast_paths import _drive
 

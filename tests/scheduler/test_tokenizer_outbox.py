@@ -12,11 +12,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from common.addresses import API_ROUTING_ID
-from common.ipc import api_from_scheduler_decoder, tokenizer_inbound_decoder
-from common.messages import EngineFailure, RequestTokens, TokenBatch, pack_ids, unpack_ids
-from services.scheduler import tokenizer_outbox
-from services.scheduler.tokenizer_outbox import TokenizerOutbox, bind_router
+from stoker.common.addresses import API_ROUTING_ID
+from stoker.common.ipc import api_from_scheduler_decoder, tokenizer_inbound_decoder
+from stoker.common.messages import EngineFailure, RequestTokens, TokenBatch, pack_ids, unpack_ids
+from stoker.services.scheduler import tokenizer_outbox
+from stoker.services.scheduler.tokenizer_outbox import TokenizerOutbox, bind_router
 
 TOKENIZER = b"tok-0"
 Check = Callable[[TokenizerOutbox, zmq.asyncio.Socket, list[bytes]], Awaitable[None]]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from common.sampling_params import SamplingParams
-from services.scheduler.request import Request
-from services.scheduler.waiting import WaitingQueue
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.scheduler.request import Request
+from stoker.services.scheduler.waiting import WaitingQueue
 
 
 def _req(i: int) -> Request:

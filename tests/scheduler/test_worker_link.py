@@ -12,12 +12,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from common.addresses import Addresses
-from common.ipc import encoder, plan_decoder
-from common.messages import EngineFailure, SchedulerHello, StepResult, WorkerReady
-from common.protocol import PROTOCOL
-from services.scheduler import worker_link
-from services.scheduler.worker_link import EngineStalled, WorkerLink
+from stoker.common.addresses import Addresses
+from stoker.common.ipc import encoder, plan_decoder
+from stoker.common.messages import EngineFailure, SchedulerHello, StepResult, WorkerReady
+from stoker.common.wire_digest import PROTOCOL
+from stoker.services.scheduler import worker_link
+from stoker.services.scheduler.worker_link import EngineStalled, WorkerLink
 
 
 class Worker:

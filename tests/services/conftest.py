@@ -92,7 +92,7 @@ def server(model_path: Path, tmp_path_factory) -> Server:
     port = _free_port()
     run_dir = tmp_path_factory.mktemp("run")
     cmd = [
-        sys.executable, "-m", "services.cli", "serve",
+        sys.executable, "-m", "stoker.cli", "serve",
         "--model", str(model_path),
         "--port", str(port),
         "--tokenizers", "2",
@@ -141,6 +141,6 @@ def server(model_path: Path, tmp_path_factory) -> Server:
 
 @pytest.fixture(scope="session")
 def llm(model_path: Path):
-    from services.engine import LLM
+    from stoker.services.engine import LLM
 
     return LLM(str(model_path), num_kv_blocks=128, block_size=BLOCK_SIZE, max_model_len=512)

@@ -7,16 +7,16 @@ import time
 
 import msgspec
 
-from common.addresses import Addresses
-from common.messages import SchedulerStats, TextDelta, pack_ids
-from common.protocol import PROTOCOL
-from common.sampling_params import SamplingParams
-from services.api.app import Api
-from services.api.delta_queue import DeltaQueue
-from services.api.engine_client import EngineClient, _Tokenizer
-from services.api.protocol import Generation
-from services.api.responses import Accumulator, Formatter
-from services.api.tokens import TokenStrings
+from stoker.common.addresses import Addresses
+from stoker.common.messages import SchedulerStats, TextDelta, pack_ids
+from stoker.common.sampling_params import SamplingParams
+from stoker.common.wire_digest import PROTOCOL
+from stoker.services.api.app import Api
+from stoker.services.api.delta_queue import DeltaQueue
+from stoker.services.api.engine_client import EngineClient, _Tokenizer
+from stoker.services.api.openai_schema import Generation
+from stoker.services.api.responses import Accumulator, Formatter
+from stoker.services.api.tokens import TokenStrings
 
 
 def _events(model_path, first: TextDelta, queued: list[TextDelta], n: int = 1) -> list[dict]:

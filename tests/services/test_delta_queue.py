@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from common.messages import TextDelta
-from services.api.delta_queue import DeltaQueue
+from stoker.common.messages import TextDelta
+from stoker.services.api.delta_queue import DeltaQueue
 
 
 def _delta(i: int) -> TextDelta:

@@ -8,7 +8,7 @@ import asyncio
 import openai
 import pytest
 
-from common.sampling_params import SamplingParams
+from stoker.common.sampling_params import SamplingParams
 
 PROMPT_IDS = [74, 71, 469, 300, 12, 99]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "héllo!"}]

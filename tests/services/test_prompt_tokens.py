@@ -1,16 +1,16 @@
-"""common.prompt_tokens (what /tokenize runs) gives the same ids as the tokenizer process's
+"""stoker.common.prompt_tokens (what /tokenize runs) gives the same ids as the tokenizer process's
 TokenizerService.tokenize (what requests get), for plain prompts and chat templates."""
 
 from __future__ import annotations
 
 import pytest
 
-from common.addresses import Addresses
-from common.messages import ChatMessage, TokenizeRequest
-from common.prompt_tokens import prompt_token_ids
-from common.sampling_params import SamplingParams
-from common.tokenizer_files import load_tokenizer
-from services.tokenizer.service import TokenizerService
+from stoker.common.addresses import Addresses
+from stoker.common.messages import ChatMessage, TokenizeRequest
+from stoker.common.prompt_tokens import prompt_token_ids
+from stoker.common.sampling_params import SamplingParams
+from stoker.common.tokenizer_files import load_tokenizer
+from stoker.services.tokenizer.service import TokenizerService
 
 PROMPTS = ["The capital of France is", "héllo wörld 🚀", " leading space", "a\n\nb"]
 CHATS = [

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.telemetry import BusyTracker, IdleGapAccounting, StepTelemetry
+from stoker.common.telemetry import BusyTracker, IdleGapAccounting, StepTelemetry
 
 
 def test_waits_that_began_with_no_work_are_not_idle_gaps():

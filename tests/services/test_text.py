@@ -13,8 +13,8 @@ import httpx
 import msgspec
 import pytest
 
-from common.sampling_params import SamplingParams
-from services.api.tokens import TokenStrings
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.api.tokens import TokenStrings
 
 MAX_TOKENS = 32
 

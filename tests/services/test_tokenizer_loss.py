@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.addresses import Addresses
-from common.config import DEFAULT_MODEL
-from services.api import engine_client
-from services.api.engine_client import EngineClient, _Tokenizer, _Track
+from stoker.common.addresses import Addresses
+from stoker.common.config import DEFAULT_MODEL
+from stoker.services.api import engine_client
+from stoker.services.api.engine_client import EngineClient, _Tokenizer, _Track
 from tests.deploy.procs import CLI, free_port, service_env, stop_all, wait_healthy
 
 

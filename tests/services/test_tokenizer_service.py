@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from common.addresses import Addresses
-from common.messages import (
+from stoker.common.addresses import Addresses
+from stoker.common.messages import (
     ChatMessage,
     RequestTokens,
     TextDelta,
@@ -15,8 +15,8 @@ from common.messages import (
     pack_ids,
     unpack_ids,
 )
-from common.sampling_params import SamplingParams
-from services.tokenizer.service import TokenizerService
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.tokenizer.service import TokenizerService
 
 EOS = 2
 

@@ -12,13 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from common.addresses import Addresses
-from common.config import DEFAULT_MODEL
-from common.messages import TokenizeRequest
-from common.sampling_params import SamplingParams
-from services.api import engine_client
-from services.api.engine_client import EngineClient, _Tokenizer
-from services.api.protocol import ApiError
+from stoker.common.addresses import Addresses
+from stoker.common.config import DEFAULT_MODEL
+from stoker.common.messages import TokenizeRequest
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.api import engine_client
+from stoker.services.api.engine_client import EngineClient, _Tokenizer
+from stoker.services.api.openai_schema import ApiError
 from tests.deploy.procs import CLI, free_port, service_env, stop_all, wait_healthy
 from tests.services.test_tokenizer_loss import _post
 

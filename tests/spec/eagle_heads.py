@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.training.eagle import save_head
-from services.training.eagle_net import EagleNet
-from services.worker.eagle.config import EagleConfig, default_target_layers, head_config_dict
+from stoker.services.worker.eagle.config import EagleConfig, default_target_layers, head_config_dict
+from stoker.tools.training.eagle import save_head
+from stoker.tools.training.eagle_net import EagleNet
 from tests.factory import make_model
 from tests.spec.spec_models import SpecModels
 
@@ -38,7 +38,7 @@ def random_vocab(vocab_size: int, size: int, seed: int) -> torch.Tensor:
 def train_head(target: Path, out: Path, steps: int = 200, draft_vocab: int = 256) -> Path:
     """`stoker train-draft --method eagle` for a few seconds on a tiny target (fixed seeds),
     by default drafting over half its 512 tokens (the reduced-vocabulary path)."""
-    from services.training.train_draft import main
+    from stoker.tools.training.train_draft import main
 
     argv = ["--method", "eagle", "--target", str(target), "--out", str(out)]
     argv += ["--num-prompts", "40", "--gen-tokens", "40", "--steps", str(steps)]

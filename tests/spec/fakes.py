@@ -23,10 +23,15 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from common.messages import SpecStats, StepPlan, StepResult, num_ids
-from services.scheduler.request import NO_VERIFY_IN_FLIGHT, FinishReason, Request, RequestStatus
-from services.scheduler.scheduler import Scheduler
-from services.scheduler.speculation import SpecPolicy
+from stoker.common.messages import SpecStats, StepPlan, StepResult, num_ids
+from stoker.services.scheduler.request import (
+    NO_VERIFY_IN_FLIGHT,
+    FinishReason,
+    Request,
+    RequestStatus,
+)
+from stoker.services.scheduler.scheduler import Scheduler
+from stoker.services.scheduler.speculation import SpecPolicy
 from tests import fake_worker
 from tests.fake_worker import BS, VOCAB, FakeWorker, _State, req
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from common import model_registry
-from common.config import DEFAULT_DRAFT_MODEL, EngineConfig
-from common.config_args import add_flags, from_args
-from common.model_registry import BUNDLED_DIR, FETCHED, default_draft
+from stoker.common import model_registry
+from stoker.common.config import DEFAULT_DRAFT_MODEL, EngineConfig
+from stoker.common.config_args import add_flags, from_args
+from stoker.common.model_registry import BUNDLED_DIR, FETCHED, default_draft
 
 HEAD = BUNDLED_DIR / "smollm2-eagle"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from services.engine import LLM, SamplingParams
-from services.worker.eagle.proposer import EagleProposer
+from stoker.services.engine import LLM, SamplingParams
+from stoker.services.worker.eagle.proposer import EagleProposer
 from tests.spec.eagle_heads import head_factory, oracle_pair
 from tests.spec.fakes import spec_stats
 from tests.spec.spec_models import SpecModels

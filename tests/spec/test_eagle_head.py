@@ -12,15 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.model_config import ModelConfig, ModelLoadError
-from common.sampling_params import SamplingParams
-from services.engine import LLM
-from services.training.eagle import choose_draft_vocab
-from services.training.eagle_net import EagleNet
-from services.worker.eagle.config import EagleConfig, default_target_layers, is_eagle_head
-from services.worker.eagle.proposer import EagleProposer, chunk_rows
-from services.worker.loader import load_model
-from services.worker.step_inputs import Chunk, build_step_inputs
+from stoker.common.model_config import ModelConfig, ModelLoadError
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.engine import LLM
+from stoker.services.worker.eagle.config import EagleConfig, default_target_layers, is_eagle_head
+from stoker.services.worker.eagle.proposer import EagleProposer, chunk_rows
+from stoker.services.worker.loader import load_model
+from stoker.services.worker.step_inputs import Chunk, build_step_inputs
+from stoker.tools.training.eagle import choose_draft_vocab
+from stoker.tools.training.eagle_net import EagleNet
 from tests.factory import make_model
 from tests.spec.eagle_heads import make_head
 
@@ -168,7 +168,7 @@ def test_collect_records_each_sequence_as_alone(tmp_path: Path) -> None:
     valid position's taps and argmax must be what a forward of that sequence alone gives."""
     from transformers import AutoModelForCausalLM
 
-    from services.training.eagle import collect
+    from stoker.tools.training.eagle import collect
 
     target = AutoModelForCausalLM.from_pretrained(make_model(tmp_path / "t", num_layers=3)).eval()
     rng = random.Random(1)

@@ -21,8 +21,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from common.config import NGRAM_SPECULATIVE_TOKENS
-from services.engine import LLM, SamplingParams
+from stoker.common.config import NGRAM_SPECULATIVE_TOKENS
+from stoker.services.engine import LLM, SamplingParams
 from tests.spec.eagle_heads import head_factory
 from tests.spec.spec_models import SpecModels
 
@@ -74,7 +74,7 @@ def test_serve_with_eagle_head(
     want = [o.text for o in LLM(str(target), num_kv_blocks=128).generate(PROMPTS, params)]
     port = _free_port()
     cmd = [
-        sys.executable, "-m", "services.cli", "serve",
+        sys.executable, "-m", "stoker.cli", "serve",
         "--model", str(target), "--speculative-model", str(head),
         "--port", str(port), "--num-kv-blocks", "128", "--run-dir", str(tmp_path / "run"),
     ]  # fmt: skip

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from services.worker.sampler import SamplingBatch
-from services.worker.spec_verify import VerifyGroup, verify
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.worker.sampler import SamplingBatch
+from stoker.services.worker.spec_verify import VerifyGroup, verify
 
 V = 6
 N = 20_000

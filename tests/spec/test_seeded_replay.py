@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from services.engine import LLM, SamplingParams
+from stoker.services.engine import LLM, SamplingParams
 from tests.spec.spec_models import SpecModels
 
 pytestmark = pytest.mark.timeout(300)

@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from common.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
-from common.model_config import ModelLoadError
-from kernels import cpu_ops
-from services.engine import LLM, SamplingParams
+from stoker.common.config import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
+from stoker.common.model_config import ModelLoadError
+from stoker.kernels import cpu_ops
+from stoker.services.engine import LLM, SamplingParams
 from tests.factory import make_model
 from tests.spec.fakes import count_proposal_kinds, spec_stats
 from tests.spec.spec_models import SpecModels

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from common.messages import SchedulerStats, SpecStats, StepPlan, StepResult
-from services.api.metrics import EngineSnapshot, Metrics
-from services.engine import LLM, SamplingParams
+from stoker.common.messages import SchedulerStats, SpecStats, StepPlan, StepResult
+from stoker.services.api.metrics import EngineSnapshot, Metrics
+from stoker.services.engine import LLM, SamplingParams
 from tests.fake_worker import assert_idle
 from tests.spec.fakes import (
     SpecFakeWorker,

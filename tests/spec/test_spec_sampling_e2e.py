@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.engine import LLM, SamplingParams
+from stoker.services.engine import LLM, SamplingParams
 from tests.spec.fakes import spec_stats
 from tests.spec.spec_models import SpecModels
 

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from common.messages import StepPlan
-from services.scheduler.request import FinishReason
-from services.scheduler.scheduler import Scheduler
-from services.scheduler.speculation import PROBE_EVERY, SpecPolicy
+from stoker.common.messages import StepPlan
+from stoker.services.scheduler.request import FinishReason
+from stoker.services.scheduler.scheduler import Scheduler
+from stoker.services.scheduler.speculation import PROBE_EVERY, SpecPolicy
 from tests.fake_worker import assert_idle
 from tests.spec.fakes import (
     Accept,

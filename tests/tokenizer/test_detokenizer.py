@@ -12,9 +12,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from common.sampling_params import SamplingParams
-from services.tokenizer.detokenizer import DetokenizerDelta, IncrementalDetokenizer
-from services.tokenizer.pieces import PieceTables
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.tokenizer.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from stoker.services.tokenizer.pieces import PieceTables
 
 CORPUS = [
     "héllo wörld — 日本語 emoji 🚀 rocket launch, naïve café façade Ünïcödé.",
@@ -256,7 +256,7 @@ def test_only_byte_level_tokenizers_get_a_table(tok, sp_tok):
 
 
 def test_a_table_the_tokenizer_disagrees_with_is_refused(tok):
-    from services.tokenizer.pieces import PieceTable, _disagreement
+    from stoker.services.tokenizer.pieces import PieceTable, _disagreement
 
     good = PieceTables(tok).get(True)
     assert good is not None and _disagreement(tok, good, True) is None

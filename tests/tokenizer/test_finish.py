@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from common.addresses import Addresses
-from common.finish import finish_reason, text_token_ids
-from common.messages import RequestTokens, TokenBatch, TokenizeRequest, pack_ids
-from common.sampling_params import SamplingParams
-from services.tokenizer.service import TokenizerService
+from stoker.common.addresses import Addresses
+from stoker.common.finish import finish_reason, text_token_ids
+from stoker.common.messages import RequestTokens, TokenBatch, TokenizeRequest, pack_ids
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.tokenizer.service import TokenizerService
 from tests.factory import make_model
 
 

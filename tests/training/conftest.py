@@ -21,9 +21,9 @@ def excerpt() -> Path:
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised 2-layer Llama with a BPE tokenizer trained on the excerpt."""
-    from services.training import net, tokenizer
-    from services.training.corpus import load_documents
-    from services.training.model import LlamaSize, llama_config, save_model
+    from stoker.tools.training import net, tokenizer
+    from stoker.tools.training.corpus import load_documents
+    from stoker.tools.training.model import LlamaSize, llama_config, save_model
 
     out = tmp_path_factory.mktemp("tiny-target")
     tok = tokenizer.train_tokenizer([d.text for d in load_documents(EXCERPT)], 384)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from services.training import corpus, tokenizer
+from stoker.tools.training import corpus, tokenizer
 
 MESSAGES = [
     {"role": "user", "content": "Who's there?"},

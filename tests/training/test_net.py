@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaForCausalLM
 
-from services.training import net
-from services.training.model import LlamaSize, llama_config
+from stoker.tools.training import net
+from stoker.tools.training.model import LlamaSize, llama_config
 
 
 def test_lean_llama_matches_transformers() -> None:

@@ -1,4 +1,4 @@
-"""User turns written by the target (services/training/self_chat.py) and `train-draft --self-chat`,
+"""User turns written by the target (tools/training/self_chat.py) and `train-draft --self-chat`,
 on the bundled stoker-tiny model (trained on Shakespeare; its chat template ends a user turn with
 a blank line, which it writes often, so its turns end within a few dozen tokens)."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from services.training.self_chat import self_chat_turns, user_turn_bounds
-from services.training.train_draft import main
+from stoker.tools.training.self_chat import self_chat_turns, user_turn_bounds
+from stoker.tools.training.train_draft import main
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "models" / "stoker-tiny"

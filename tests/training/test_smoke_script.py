@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_smoke_mode_end_to_end(excerpt: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, str(REPO / "scripts" / "train_default_model.py"), "--smoke"]
     cmd += ["--corpus", str(excerpt), "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)

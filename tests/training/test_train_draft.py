@@ -1,4 +1,4 @@
-"""`stoker train-draft` (services.training.train_draft.main) on a random tiny target."""
+"""`stoker train-draft` (tools.training.train_draft.main) on a random tiny target."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.training import tokenizer
-from services.training.train_draft import main
+from stoker.tools.training import tokenizer
+from stoker.tools.training.train_draft import main
 
 SMALL = ["--num-prompts", "8", "--prompt-tokens", "8", "--gen-tokens", "12"]
 SMALL += ["--batch-size", "4", "--layers", "1", "--hidden", "64"]
@@ -93,7 +93,7 @@ def test_incompatible_tokenizer_in_out(
 
 
 def test_acceptance_counts_leading_agreements() -> None:
-    from services.training.distill import acceptance, generated_region
+    from stoker.tools.training.distill import acceptance, generated_region
 
     m = torch.tensor([[1, 1, 0, 1, 1, 1, 1, 0]], dtype=torch.bool)
     # windows of 4 starting at t=0..4: 2, 1, 0, 4, 3 accepted

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from services.worker.cpu_tuning import (
+from stoker.services.worker.cpu_tuning import (
     HUGE_PAGE,
     huge_page_arena,
     keep_freed_memory,

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import EngineConfig
-from common.config_args import add_flags, from_args, from_json, to_json
-from services.engine import LLM, SamplingParams
-from services.worker.cuda_graphs import DecodeGraphs, capture_sizes
-from services.worker.step_inputs import Chunk
+from stoker.common.config import EngineConfig
+from stoker.common.config_args import add_flags, from_args, from_json, to_json
+from stoker.services.engine import LLM, SamplingParams
+from stoker.services.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from stoker.services.worker.step_inputs import Chunk
 from tests.factory import make_model
 
 NEW_TOKENS = 12

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from services.worker.forward_timer import ForwardTimer
+from stoker.services.worker.forward_timer import ForwardTimer
 
 
 def test_cpu_device_time_is_the_host_time() -> None:

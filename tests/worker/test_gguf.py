@@ -12,10 +12,10 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 from transformers import AutoTokenizer
 
-from common.gguf_file import GGUFError, find_gguf
-from common.model_config import ModelConfig, ModelLoadError
-from common.tokenizer_files import load_tokenizer
-from services.engine import LLM
+from stoker.common.gguf_file import GGUFError, find_gguf
+from stoker.common.model_config import ModelConfig, ModelLoadError
+from stoker.common.tokenizer_files import load_tokenizer
+from stoker.services.engine import LLM
 from tests.engine.test_exactness import GREEDY, _hf_greedy
 from tests.factory import make_model
 from tests.gguf_factory import write_gguf

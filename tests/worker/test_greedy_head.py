@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_ops
-from services.engine import LLM, SamplingParams
-from services.worker import greedy_head as gh
-from services.worker.greedy_head import GreedyHead
+from stoker.kernels import cpu_ops
+from stoker.services.engine import LLM, SamplingParams
+from stoker.services.worker import greedy_head as gh
+from stoker.services.worker.greedy_head import GreedyHead
 from tests.factory import make_model
 
 _module = cpu_ops.load()

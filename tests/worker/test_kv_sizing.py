@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
-from common.config import EngineConfig
-from services.worker.drafter import Drafter
-from services.worker.kv_sizing import (
+from stoker.common.config import EngineConfig
+from stoker.services.worker.drafter import Drafter
+from stoker.services.worker.kv_sizing import (
     GIB,
     GpuMemoryProfile,
     _dummy_chunks,
@@ -20,7 +20,7 @@ from services.worker.kv_sizing import (
     kv_block_bytes,
     memory_available_bytes,
 )
-from services.worker.model_runner import ModelRunner
+from stoker.services.worker.model_runner import ModelRunner
 from tests.factory import make_model
 
 MIB = 1024**2

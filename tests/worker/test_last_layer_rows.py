@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.model_config import ModelConfig
-from services.worker.loader import load_model
-from services.worker.models import layers
-from services.worker.step_inputs import MAX_DECODE_CHUNK, Chunk, build_step_inputs
+from stoker.common.model_config import ModelConfig
+from stoker.services.worker.loader import load_model
+from stoker.services.worker.models import layers
+from stoker.services.worker.step_inputs import MAX_DECODE_CHUNK, Chunk, build_step_inputs
 from tests.factory import make_model
 
 BS = 16

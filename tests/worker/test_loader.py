@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.model_config import ModelLoadError
-from services.engine import LLM, SamplingParams
+from stoker.common.model_config import ModelLoadError
+from stoker.services.engine import LLM, SamplingParams
 from tests.factory import make_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
@@ -54,8 +54,8 @@ def test_half_precision_matches_transformers_at_a_tolerance(folder, dtype):
 def test_bfloat16_linears_are_packed_for_a_native_kernel_or_onednn(folder):
     """The pair kernel's layout on AVX512-BF16 CPUs, the panel kernel's on other AVX2 and
     AVX-512 ones, oneDNN's where STOKER_CPU_GEMM=onednn and the CPU has bfloat16 arithmetic."""
-    from kernels import cpu_ops
-    from services.worker.models.layers import linear
+    from stoker.kernels import cpu_ops
+    from stoker.services.worker.models.layers import linear
 
     llm = LLM(folder, dtype="bfloat16", num_kv_blocks=16)
     model = llm.engine.runner.model

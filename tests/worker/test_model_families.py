@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model_config import ModelConfig, ModelLoadError, resolve_max_model_len
-from services.worker.models import model_class
-from services.worker.models.gemma import GemmaForCausalLM
-from services.worker.models.moe import MoeForCausalLM, SparseMoE
+from stoker.common.model_config import ModelConfig, ModelLoadError, resolve_max_model_len
+from stoker.services.worker.models import model_class
+from stoker.services.worker.models.gemma import GemmaForCausalLM
+from stoker.services.worker.models.moe import MoeForCausalLM, SparseMoE
 
 BASE = dict(
     vocab_size=64,

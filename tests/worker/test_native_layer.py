@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.model_config import ModelConfig
-from kernels import cpu_ops
-from kernels.dispatch import force_backend
-from services.worker.loader import load_model
-from services.worker.models.llama import DecoderLayer, enable_native_layers
-from services.worker.step_inputs import MAX_DECODE_CHUNK, Chunk, build_step_inputs
+from stoker.common.model_config import ModelConfig
+from stoker.kernels import cpu_ops
+from stoker.kernels.dispatch import force_backend
+from stoker.services.worker.loader import load_model
+from stoker.services.worker.models.llama import DecoderLayer, enable_native_layers
+from stoker.services.worker.step_inputs import MAX_DECODE_CHUNK, Chunk, build_step_inputs
 from tests.factory import make_model
 
 BS = 16
@@ -153,8 +153,8 @@ def test_layers_the_native_call_cannot_run_exactly_are_not_marked(
 
 def test_an_eagle_heads_layers_are_marked(tmp_path: Path) -> None:
     """The head's draft steps are decode rows too (services/worker/eagle/head.py)."""
-    from services.worker.eagle.config import EagleConfig
-    from services.worker.eagle.head import load_head
+    from stoker.services.worker.eagle.config import EagleConfig
+    from stoker.services.worker.eagle.head import load_head
     from tests.spec.eagle_heads import make_head
 
     target = make_model(tmp_path / "target", "llama", num_layers=4)

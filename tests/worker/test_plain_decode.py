@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from services.engine import LLM, SamplingParams
-from services.worker import model_runner
+from stoker.services.engine import LLM, SamplingParams
+from stoker.services.worker import model_runner
 from tests.factory import make_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models

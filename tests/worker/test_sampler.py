@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams
-from services.worker.sampler import (
+from stoker.common.sampling_params import SamplingParams
+from stoker.services.worker.sampler import (
     Sampler,
     SamplingBatch,
     apply_penalties,
@@ -16,8 +16,8 @@ from services.worker.sampler import (
     filtered_probs,
     token_logprobs,
 )
-from services.worker.sampling_noise import exponential_noise
-from services.worker.sampling_state import RequestSampling, Row, batch_for
+from stoker.services.worker.sampling_noise import exponential_noise
+from stoker.services.worker.sampling_state import RequestSampling, Row, batch_for
 
 V = 8
 N = 20_000  # samples per distribution test, drawn as one batch of identical rows

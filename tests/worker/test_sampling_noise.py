@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from kernels import cpu_ops
-from services.worker import sampling_noise
-from services.worker.sampling_noise import noise_rows, seeded_key, seeded_noise
+from stoker.kernels import cpu_ops
+from stoker.services.worker import sampling_noise
+from stoker.services.worker.sampling_noise import noise_rows, seeded_key, seeded_noise
 
 native = pytest.mark.skipif(cpu_ops.load() is None, reason="native CPU kernels unavailable")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.paged_attention import paged_decode_attention, paged_prefill_attention, store_kv
-from services.worker.block_table import BlockTable
-from services.worker.step_inputs import MAX_DECODE_CHUNK, Chunk, build_step_inputs
+from stoker.kernels.paged_attention import paged_decode_attention, paged_prefill_attention, store_kv
+from stoker.services.worker.block_table import BlockTable
+from stoker.services.worker.step_inputs import MAX_DECODE_CHUNK, Chunk, build_step_inputs
 
 BS = 4
 
@@ -68,8 +68,8 @@ def test_verify_rows_on_the_decode_path_equal_prefill_attention_over_the_prefix(
 def test_short_chunks_stay_prefill_spans_where_decode_attention_would_gather(monkeypatch):
     """Decode rows only pay off with a kernel that reads the cache in place; the reference
     gathers each row's whole context, so a k + 1 verify would gather it k + 1 times."""
-    from kernels import cpu_ops
-    from kernels.dispatch import decode_reads_cache_in_place
+    from stoker.kernels import cpu_ops
+    from stoker.kernels.dispatch import decode_reads_cache_in_place
 
     cpu = torch.device("cpu")
     native = cpu_ops.load() is not None

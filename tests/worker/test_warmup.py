@@ -7,8 +7,8 @@ import random
 
 import torch
 
-from services.engine import LLM, SamplingParams
-from services.worker.warmup import warm_up
+from stoker.services.engine import LLM, SamplingParams
+from stoker.services.worker.warmup import warm_up
 from tests.factory import make_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from common.model_config import ModelConfig, ModelLoadError
+from stoker.common.model_config import ModelConfig, ModelLoadError
 
 ARCHITECTURE = "EagleHead"
 WEIGHTS = "model.safetensors"

@@ -15,14 +15,14 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from common.model_config import ModelLoadError
-from kernels.dispatch import rms_norm
-from kernels.rotary import rope_cos_sin, rope_inv_freq
-from services.worker.attention_metadata import AttentionMetadata
-from services.worker.eagle.config import WEIGHTS, EagleConfig
-from services.worker.loader import packs_linear_weights
-from services.worker.models.layers import KVCache, linear, pack_module_linears, param
-from services.worker.models.llama import DecoderLayer, enable_native_layers
+from stoker.common.model_config import ModelLoadError
+from stoker.kernels.dispatch import rms_norm
+from stoker.kernels.rotary import rope_cos_sin, rope_inv_freq
+from stoker.services.worker.attention_metadata import AttentionMetadata
+from stoker.services.worker.eagle.config import WEIGHTS, EagleConfig
+from stoker.services.worker.loader import packs_linear_weights
+from stoker.services.worker.models.layers import KVCache, linear, pack_module_linears, param
+from stoker.services.worker.models.llama import DecoderLayer, enable_native_layers
 
 
 class EagleHead(nn.Module):

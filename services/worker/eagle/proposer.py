@@ -18,16 +18,16 @@ from pathlib import Path
 
 import torch
 
-from common.model_config import ModelConfig, ModelLoadError
-from services.worker.drafter import _DRAFT_SALT, _proposal_params, choose_drafts
-from services.worker.eagle.config import EagleConfig
-from services.worker.eagle.head import load_head
-from services.worker.kv_sizing import kv_block_bytes
-from services.worker.models.layers import CausalLM, linear, pack_weights
-from services.worker.proposer import Proposal, ProposalItem, Proposer, Zeros
-from services.worker.sampler import argmax_rows
-from services.worker.sampling_noise import MASK63, SEED_MIX
-from services.worker.step_inputs import Chunk, build_step_inputs, max_decode_chunk
+from stoker.common.model_config import ModelConfig, ModelLoadError
+from stoker.services.worker.drafter import _DRAFT_SALT, _proposal_params, choose_drafts
+from stoker.services.worker.eagle.config import EagleConfig
+from stoker.services.worker.eagle.head import load_head
+from stoker.services.worker.kv_sizing import kv_block_bytes
+from stoker.services.worker.models.layers import CausalLM, linear, pack_weights
+from stoker.services.worker.proposer import Proposal, ProposalItem, Proposer, Zeros
+from stoker.services.worker.sampler import argmax_rows
+from stoker.services.worker.sampling_noise import MASK63, SEED_MIX
+from stoker.services.worker.step_inputs import Chunk, build_step_inputs, max_decode_chunk
 
 
 class EagleProposer(Proposer):

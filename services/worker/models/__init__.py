@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from common.model_config import ModelConfig
-from services.worker.models.gemma import GemmaForCausalLM
-from services.worker.models.layers import CausalLM
-from services.worker.models.llama import LlamaForCausalLM
-from services.worker.models.moe import MoeForCausalLM
+from stoker.common.model_config import ModelConfig
+from stoker.services.worker.models.gemma import GemmaForCausalLM
+from stoker.services.worker.models.layers import CausalLM
+from stoker.services.worker.models.llama import LlamaForCausalLM
+from stoker.services.worker.models.moe import MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "llama": LlamaForCausalLM,

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.model_config import ModelConfig
-from kernels.dispatch import add_rms_norm, rms_norm
-from services.worker.attention_metadata import AttentionMetadata
-from services.worker.models.layers import (
+from stoker.common.model_config import ModelConfig
+from stoker.kernels.dispatch import add_rms_norm, rms_norm
+from stoker.services.worker.attention_metadata import AttentionMetadata
+from stoker.services.worker.models.layers import (
     Attention,
     CausalLM,
     GatedMLP,

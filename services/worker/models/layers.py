@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model_config import ModelConfig
-from common.profiling import span
-from kernels.dispatch import (  # triton on CUDA, the torch references elsewhere
+from stoker.common.model_config import ModelConfig
+from stoker.common.profiling import span
+from stoker.kernels.dispatch import (  # triton on CUDA, the torch references elsewhere
     add_rms_norm,
     apply_rotary,
     causal_attention,
@@ -28,10 +28,10 @@ from kernels.dispatch import (  # triton on CUDA, the torch references elsewhere
     silu_and_mul,
     store_kv,
 )
-from kernels import cpu_ops
-from kernels.rotary import rope_cos_sin, rope_inv_freq
-from services.worker.attention_metadata import AttentionMetadata
-from services.worker.cpu_tuning import huge_page_arena
+from stoker.kernels import cpu_ops
+from stoker.kernels.rotary import rope_cos_sin, rope_inv_freq
+from stoker.services.worker.attention_metadata import AttentionMetadata
+from stoker.services.worker.cpu_tuning import huge_page_arena
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin gathered by position, [T, rotary_dim]

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model_config import ModelConfig
-from kernels import cpu_ops
-from kernels.dispatch import add_rms_norm, native_allowed
-from services.worker.attention_metadata import AttentionMetadata
-from services.worker.models.layers import (
+from stoker.common.model_config import ModelConfig
+from stoker.kernels import cpu_ops
+from stoker.kernels.dispatch import add_rms_norm, native_allowed
+from stoker.services.worker.attention_metadata import AttentionMetadata
+from stoker.services.worker.models.layers import (
     Attention,
     CausalLM,
     GatedMLP,

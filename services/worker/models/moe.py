@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.model_config import ModelConfig
-from services.worker.models.layers import CausalLM, activation, param
-from services.worker.models.llama import DecoderLayer
+from stoker.common.model_config import ModelConfig
+from stoker.services.worker.models.layers import CausalLM, activation, param
+from stoker.services.worker.models.llama import DecoderLayer
 
 
 class SparseMoE(nn.Module):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from services.worker.parallel.shard import Shard
+from stoker.services.worker.parallel.shard import Shard
 
 
 class Communicator:

@@ -10,12 +10,12 @@ import logging
 import os
 import sys
 
-from common.config import EngineConfig
-from common.ipc import plan_decoder
-from common.messages import ProfileControl, SchedulerHello
-from services.worker.model_runner import ModelRunner
-from services.worker.parallel.plan_channel import PlanChannel
-from services.worker.parallel.ranks import (
+from stoker.common.config import EngineConfig
+from stoker.common.ipc import plan_decoder
+from stoker.common.messages import ProfileControl, SchedulerHello
+from stoker.services.worker.model_runner import ModelRunner
+from stoker.services.worker.parallel.plan_channel import PlanChannel
+from stoker.services.worker.parallel.ranks import (
     ENV_CONFIG,
     ENV_LOCAL_RANK,
     ENV_PARENT,
@@ -24,7 +24,7 @@ from services.worker.parallel.ranks import (
     connect,
     rank_config,
 )
-from services.worker.warmup import warm_up
+from stoker.services.worker.warmup import warm_up
 
 log = logging.getLogger("stoker.worker")
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.worker.attention_metadata import AttentionMetadata
-from services.worker.models.layers import (
+from stoker.services.worker.attention_metadata import AttentionMetadata
+from stoker.services.worker.models.layers import (
     Attention,
     CausalLM,
     GatedMLP,
@@ -23,8 +23,8 @@ from services.worker.models.layers import (
     linear,
     param,
 )
-from services.worker.models.moe import SparseMoE
-from services.worker.parallel.comm import Communicator
+from stoker.services.worker.models.moe import SparseMoE
+from stoker.services.worker.parallel.comm import Communicator
 
 
 class ParallelAttention(Attention):

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from services.worker.parallel.comm import Communicator
+from stoker.services.worker.parallel.comm import Communicator
 
 
 class PlanChannel:

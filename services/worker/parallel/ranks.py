@@ -23,13 +23,13 @@ from collections.abc import Callable
 
 import torch
 
-from common.config import EngineConfig
-from common.config_args import to_json
-from common.model_config import ModelConfig
-from services.worker.loader import check_model_folder
-from services.worker.parallel.comm import Communicator
-from services.worker.parallel.plan_channel import PlanChannel
-from services.worker.parallel.shard import check_divisible
+from stoker.common.config import EngineConfig
+from stoker.common.config_args import to_json
+from stoker.common.model_config import ModelConfig
+from stoker.services.worker.loader import check_model_folder
+from stoker.services.worker.parallel.comm import Communicator
+from stoker.services.worker.parallel.plan_channel import PlanChannel
+from stoker.services.worker.parallel.shard import check_divisible
 
 log = logging.getLogger("stoker.worker")
 TORCHRUN_PORT = 29500
@@ -130,7 +130,7 @@ class Ranks:
         env[ENV_CONFIG] = to_json(config)
         env[ENV_RANK], env[ENV_LOCAL_RANK] = str(rank), str(local_rank)
         env[ENV_PARENT] = str(os.getpid())
-        cmd = [sys.executable, "-m", "services.worker.parallel.follower"]
+        cmd = [sys.executable, "-P", "-m", "stoker.services.worker.parallel.follower"]
         return subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
 
     def _watch(self, proc: subprocess.Popen, on_exit: Callable[[int, int], None] | None) -> None:

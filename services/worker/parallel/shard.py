@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from common.model_config import ModelConfig, ModelLoadError
+from stoker.common.model_config import ModelConfig, ModelLoadError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ folder (config, safetensors, the target's tokenizer files, README with the measu
 agreement and expected acceptance length). Interrupted runs resume from `--out/checkpoint`.
 
 `--method eagle` trains an EAGLE head over the target's hidden states instead
-(services/training/eagle.py); `--method distill` (the default) is the above.
+(tools/training/eagle.py); `--method distill` (the default) is the above.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("distill", "eagle"),
         default="distill",
         help="distill: an independent small draft model (default); eagle: an EAGLE head over "
-        "the target's hidden states (services/training/eagle.py)",
+        "the target's hidden states (tools/training/eagle.py)",
     )
     p.add_argument("--head-layers", type=int, default=1, help="eagle: decoder layers (default 1)")
     p.add_argument(
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--self-chat",
         action="store_true",
         help="the target writes --num-prompts user turns itself, sampled from its chat "
-        "template's user prefix (services/training/self_chat.py); needs a chat template",
+        "template's user prefix (tools/training/self_chat.py); needs a chat template",
     )
     p.add_argument("--layers", type=int, default=2, help="draft layers (default 2)")
     p.add_argument("--hidden", type=int, help="draft width (default: half the target's)")
@@ -167,8 +167,8 @@ def chat_prompt_ids(tok: object, turns: list[str]) -> list[list[int]]:
 
 
 def _self_chat_prompts(args: argparse.Namespace, tok: object) -> list[list[int]]:
-    from services.training.eagle import resolve_device
-    from services.training.self_chat import self_chat_turns
+    from stoker.tools.training.eagle import resolve_device
+    from stoker.tools.training.self_chat import self_chat_turns
 
     if not getattr(tok, "chat_template", None):
         raise UsageError("--self-chat: the target's tokenizer has no chat template")
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     config = _check_args(args)
     import torch
 
-    from services.training import card, distill
+    from stoker.tools.training import card, distill
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_eagle(args: argparse.Namespace, prompts: list[list[int]]) -> int:
-    from services.training import eagle
+    from stoker.tools.training import eagle
 
     cfg = eagle.EagleTrainConfig(
         minutes=None if args.steps else args.minutes,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.training.distill import SPEC_K, DistillReport
+from stoker.tools.training.distill import SPEC_K, DistillReport
 
 
 def pct(x: float | None) -> str:
@@ -51,7 +51,7 @@ def draft_card(r: DistillReport, target_name: str, command: str) -> str:
     return f"""\
 # Speculative-decoding draft for `{target_name}`
 
-A small Llama distilled from `{target_name}` (`services/training/distill.py`, as run by
+A small Llama distilled from `{target_name}` (`tools/training/distill.py`, as run by
 `stoker train-draft`): trained on the KL divergence to the target's next-token distribution,
 over the target's own greedy continuations of corpus prompts (generated with stoker's engine)
 and over corpus text. It shares the target's tokenizer (files copied here).

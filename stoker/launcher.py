@@ -24,15 +24,15 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from common.addresses import Addresses, private_dir
-from common.config import EngineConfig
-from common.config_args import add_flags, flag, from_args, to_json
-from common.logs import add_log_format_arg, configure_logging
-from common.shutdown import StopSignals, stop_processes
-from services.api.config import ApiConfig
-from services.fleet.plan import FleetConfig, wants_fleet
-from services.scheduler.config import SchedulerServiceConfig
-from services.tokenizer.config import TokenizerConfig
+from stoker.common.addresses import Addresses, private_dir
+from stoker.common.config import EngineConfig
+from stoker.common.config_args import add_flags, flag, from_args, to_json
+from stoker.common.logs import add_log_format_arg, configure_logging
+from stoker.common.shutdown import StopSignals, stop_processes
+from stoker.services.api.config import ApiConfig
+from stoker.services.scheduler.config import SchedulerServiceConfig
+from stoker.services.tokenizer.config import TokenizerConfig
+from stoker.tools.fleet.plan import FleetConfig, wants_fleet
 
 HEALTH_TIMEOUT_S = 300.0
 ENGINE = ("worker", "scheduler")
@@ -97,18 +97,21 @@ def _commands(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     tokenizers = [from_args(TokenizerConfig, args, id=f"tok-{i}") for i in range(args.tokenizers)]
     scheduler = from_args(SchedulerServiceConfig, args, engine=engine)
     cmds = [
-        ("worker", _command("services.worker", engine)),
-        ("scheduler", _command("services.scheduler", scheduler)),
+        ("worker", _command("stoker.services.worker", engine)),
+        ("scheduler", _command("stoker.services.scheduler", scheduler)),
     ]
     cmds += [
-        (f"tokenizer-{i}", _command("services.tokenizer", t)) for i, t in enumerate(tokenizers)
+        (f"tokenizer-{i}", _command("stoker.services.tokenizer", t))
+        for i, t in enumerate(tokenizers)
     ]
-    cmds.append(("api", _command("services.api", api)))
+    cmds.append(("api", _command("stoker.services.api", api)))
     return cmds
 
 
 def _command(module: str, config: object) -> list[str]:
-    return [sys.executable, "-m", module, "--config-json", to_json(config)]
+    # -P: the working directory does not go on sys.path, so a repository checkout there cannot
+    # shadow the installed package (docs/architecture.md, "Package layout").
+    return [sys.executable, "-P", "-m", module, "--config-json", to_json(config)]
 
 
 def _healthy(url: str) -> bool:
@@ -236,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     # Children read the format from the environment (every service's --log-format default).
     os.environ["STOKER_LOG_FORMAT"] = args.log_format
     configure_logging("launcher", args.log_format)
-    if wants_fleet(args):  # N service sets behind a router (services/fleet)
-        from services.fleet.supervisor import serve_fleet
+    if wants_fleet(args):  # N service sets behind a router (tools/fleet)
+        from stoker.tools.fleet.supervisor import serve_fleet
 
         return serve_fleet(args, argv, parser)
     try:  # every child's config is checked here, before anything starts

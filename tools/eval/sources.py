@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from services.eval.compare import Output, Step, truncate_at_stop
+from stoker.tools.eval.compare import Output, Step, truncate_at_stop
 
 GOLDEN = Path(__file__).with_name("golden.jsonl")
 TOP_LOGPROBS = 5  # alternatives per step: what the near-tie check looks the other token up in

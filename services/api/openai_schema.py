@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from common.messages import ChatMessage, TokenizeRequest, pack_ids
-from common.sampling_params import SamplingParams
+from stoker.common.messages import ChatMessage, TokenizeRequest, pack_ids
+from stoker.common.sampling_params import SamplingParams
 
 
 class ApiError(Exception):

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from transformers import LlamaConfig
 
-from services.training import loop, net
-from services.training.corpus import Document, chat_exchanges
-from services.training.tokenizer import render_chat
+from stoker.tools.training import loop, net
+from stoker.tools.training.corpus import Document, chat_exchanges
+from stoker.tools.training.tokenizer import render_chat
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from services.bench.client import RequestResult
+from stoker.tools.bench.client import RequestResult
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 LABELS = {

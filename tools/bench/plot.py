@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from services.bench.metrics import bin_widths
+from stoker.tools.bench.metrics import bin_widths
 
 
 def have_matplotlib() -> bool:

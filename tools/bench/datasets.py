@@ -38,7 +38,7 @@ class Tokenizer(Protocol):
 
 
 def load_tokenizer(path: str) -> Tokenizer:
-    from common.tokenizer_files import load_tokenizer
+    from stoker.common.tokenizer_files import load_tokenizer
 
     return load_tokenizer(path)
 

@@ -20,7 +20,7 @@ from types import ModuleType
 
 import msgspec
 
-import common.messages
+from stoker.common import messages
 
 
 def wire_digest(module: ModuleType) -> str:
@@ -46,7 +46,7 @@ def _strip_prose(schema: object) -> object:
     return schema
 
 
-PROTOCOL = wire_digest(common.messages)
+PROTOCOL = wire_digest(messages)
 
 
 def check_peer(peer: str, protocol: str) -> str | None:

@@ -22,8 +22,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.shutdown import StopSignals, stop_processes
-from services.fleet.plan import FleetPlan, check_replica_argv, plan_fleet
+from stoker.common.shutdown import StopSignals, stop_processes
+from stoker.tools.fleet.plan import SERVE, FleetPlan, check_replica_argv, plan_fleet
 
 READY_TIMEOUT_S = 300.0
 BACKOFF_MAX_S = 30.0
@@ -71,7 +71,7 @@ def serve_fleet(args: argparse.Namespace, argv: list[str], parser: argparse.Argu
     run_root.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
         plan = plan_fleet(args, argv, run_root)
-        check_replica_argv(parser, plan.replicas[0].cmd[4:])
+        check_replica_argv(parser, plan.replicas[0].cmd[1 + len(SERVE) :])
     except ValueError as e:
         _log(str(e))
         return 2

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.rotary import rope_cos_sin, rope_inv_freq
-from services.worker.eagle.config import EagleConfig
+from stoker.kernels.rotary import rope_cos_sin, rope_inv_freq
+from stoker.services.worker.eagle.config import EagleConfig
 
 KV = tuple[torch.Tensor, torch.Tensor]  # [B, Hkv, T, D] keys and values of one step
 

@@ -5,7 +5,7 @@
    transformers forward per sequence records the tapped layers' outputs and the target's
    argmax at every position (the label: what greedy verification accepts).
 2. Training: cross-entropy of each unrolled step's logits against those labels (EAGLE-3's
-   training-time test, services/training/eagle_net.py), step j weighted 0.8 ** j. No feature
+   training-time test, tools/training/eagle_net.py), step j weighted 0.8 ** j. No feature
    regression: EAGLE-3 dropped it once the head reads several layers, and so do we.
 3. Report: on held-out prompts' greedy continuations, the chain's acceptance exactly as greedy
    verification would count it (teacher tokens are the target's own greedy tokens there).
@@ -27,13 +27,13 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM
 
-from services.training.eagle_net import EagleNet
-from services.worker.eagle.config import (
+from stoker.services.worker.eagle.config import (
     WEIGHTS,
     EagleConfig,
     default_target_layers,
     head_config_dict,
 )
+from stoker.tools.training.eagle_net import EagleNet
 
 SPEC_K = 4
 STEP_DECAY = 0.8
@@ -106,7 +106,7 @@ def generate(
 ) -> list[list[int]]:
     """Continuations (exactly gen_tokens, EOS ignored): greedy for even prompts, sampled with
     seed + index for odd ones."""
-    from services.engine import LLM, SamplingParams
+    from stoker.services.engine import LLM, SamplingParams
 
     llm = LLM(str(target_dir), device=str(device))
     params = [
@@ -405,7 +405,7 @@ def engine_acceptance(
 ) -> tuple[list[float], float]:
     """The saved head served by stoker's engine on the held-out prompts (greedy, k fixed):
     per draft position the share of verifies that accepted it, and accepted drafts per verify."""
-    from services.engine import LLM, SamplingParams
+    from stoker.services.engine import LLM, SamplingParams
 
     llm = LLM(
         str(target_dir),

@@ -27,11 +27,11 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from services.bench import datasets
-from services.bench.client import RequestResult, build_payload, new_session, send_request
-from services.bench.datasets import SampleRequest, Tokenizer
-from services.bench.metrics import METRICS, compute_metrics, format_table
-from services.bench.plot import have_matplotlib, plot_result
+from stoker.tools.bench import datasets
+from stoker.tools.bench.client import RequestResult, build_payload, new_session, send_request
+from stoker.tools.bench.datasets import SampleRequest, Tokenizer
+from stoker.tools.bench.metrics import METRICS, compute_metrics, format_table
+from stoker.tools.bench.plot import have_matplotlib, plot_result
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,8 +29,8 @@ from transformers import (
     PreTrainedModel,
 )
 
-from services.training import loop, net
-from services.training.model import (
+from stoker.tools.training import loop, net
+from stoker.tools.training.model import (
     LlamaSize,
     count_params,
     dtype_of,
@@ -39,7 +39,7 @@ from services.training.model import (
     save_model,
     size_of,
 )
-from services.training.tokenizer import TOKENIZER_FILES
+from stoker.tools.training.tokenizer import TOKENIZER_FILES
 
 CHECKPOINT_DIR = "checkpoint"
 SPEC_K = 4
@@ -96,7 +96,7 @@ def generate_greedy(
     out: list[list[int]] = []
     bar = tqdm(total=len(prompts), desc="generate", unit="seq", dynamic_ncols=True)
     if backend == "stoker":
-        from services.engine import LLM, SamplingParams
+        from stoker.services.engine import LLM, SamplingParams
 
         llm = LLM(str(target_dir), device="cpu")
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -1,6 +1,6 @@
 """The comparison core of `stoker eval`: pure functions over token ids and logprobs -> verdicts.
 
-No sockets, no models: the shell (services/eval/run.py) fetches a server's and a reference's
+No sockets, no models: the shell (tools/eval/run.py) fetches a server's and a reference's
 tokenization and greedy outputs, and these functions decide whether they agree, within stated
 tolerances, and say where they part.
 """

@@ -3,7 +3,7 @@
     stoker eval --base-url URL --reference MODEL_FOLDER|URL [--prompts FILE.jsonl] ...
     stoker eval --fleet URL1 URL2 [URL3 ...]
 
-The IO shell around services/eval/compare.py: it asks each source (services/eval/sources.py)
+The IO shell around tools/eval/compare.py: it asks each source (tools/eval/sources.py)
 for its tokenization and greedy output of every prompt, and prints what the core decides.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from services.eval.compare import (
+from stoker.tools.eval.compare import (
     OutputCheck,
     PromptVerdict,
     Tolerances,
@@ -28,7 +28,7 @@ from services.eval.compare import (
     odd_ones_out,
     verdict,
 )
-from services.eval.sources import GOLDEN, Deployment, Item, Source, Transformers, load_items
+from stoker.tools.eval.sources import GOLDEN, Deployment, Item, Source, Transformers, load_items
 
 DEFAULT = Tolerances()
 HELP = f"""\

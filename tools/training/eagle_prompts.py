@@ -2,7 +2,7 @@
 bundled or downloadable here): topics crossed with question forms, shuffled with a fixed seed.
 None of them is among benchmarks/speculative.py's held-out chat prompts.
 
-    python -m services.training.eagle_prompts /tmp/chat-prompts.txt
+    python -m tools.training.eagle_prompts /tmp/chat-prompts.txt
     stoker train-draft --method eagle --chat --prompts /tmp/chat-prompts.txt ...
 """
 

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from services.bench.datasets import Prompt, SampleRequest
+from stoker.tools.bench.datasets import Prompt, SampleRequest
 
 _decode_event = msgspec.json.Decoder().decode
 

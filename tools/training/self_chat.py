@@ -46,7 +46,7 @@ def self_chat_turns(
     (the model's end of turn or end of sequence) within max_tokens and has at least three words;
     duplicates (ignoring case and spacing) and turns in `exclude` are dropped. ValueError if
     4n + 64 samples do not yield n."""
-    from services.engine import LLM, SamplingParams
+    from stoker.services.engine import LLM, SamplingParams
 
     llm = LLM(str(target), device=device)
     try:

@@ -7,10 +7,10 @@ import importlib
 import sys
 
 SERVICES = {
-    "api": "services.api.__main__",
-    "tokenizer": "services.tokenizer.__main__",
-    "scheduler": "services.scheduler.__main__",
-    "worker": "services.worker.__main__",
+    "api": "stoker.services.api.__main__",
+    "tokenizer": "stoker.services.tokenizer.__main__",
+    "scheduler": "stoker.services.scheduler.__main__",
+    "worker": "stoker.services.worker.__main__",
 }
 USAGE = """usage: stoker COMMAND [options]
 
@@ -28,8 +28,8 @@ commands:
 
 
 def _generate(argv: list[str]) -> int:
-    from common.config import EngineConfig
-    from common.config_args import add_flags, from_args
+    from stoker.common.config import EngineConfig
+    from stoker.common.config_args import add_flags, from_args
 
     parser = argparse.ArgumentParser(prog="stoker generate")
     parser.add_argument("prompts", nargs="*", default=["ROMEO:"])
@@ -39,7 +39,7 @@ def _generate(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     import dataclasses
 
-    from services.engine import LLM, SamplingParams
+    from stoker.services.engine import LLM, SamplingParams
 
     config = from_args(EngineConfig, args)
     llm = LLM(**dataclasses.asdict(config))
@@ -56,29 +56,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command == "serve":
-        from services.launcher import main as serve_main
+        from stoker.launcher import main as serve_main
 
         return serve_main(rest)
     if command == "generate":
         return _generate(rest)
     if command == "fetch-model":
-        from services.fetch_model import main as fetch_main
+        from stoker.services.fetch_model import main as fetch_main
 
         return fetch_main(rest)
     if command == "train-draft":
-        from services.training.train_draft import main as train_draft_main
+        from stoker.tools.training.train_draft import main as train_draft_main
 
         return train_draft_main(rest)
     if command == "replay":
-        from services.replay import main as replay_main
+        from stoker.tools.replay import main as replay_main
 
         return replay_main(rest)
     if command == "eval":
-        from services.eval.run import main as eval_main
+        from stoker.tools.eval.run import main as eval_main
 
         return eval_main(rest)
     if command == "bench" and rest and rest[0] in ("serve", "offline"):
-        module = importlib.import_module(f"services.bench.{rest[0]}")
+        module = importlib.import_module(f"stoker.tools.bench.{rest[0]}")
         return module.main(rest[1:])
     if command in SERVICES:
         module = importlib.import_module(SERVICES[command])

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config_args import flag, flags_of, option_name
+from stoker.common.config_args import flag, flags_of, option_name
 
 POLICIES = (
     "cache_aware",
@@ -30,6 +30,10 @@ REPLICA_HOST = "127.0.0.1"  # only the router is meant to be reachable
 SMG_METRICS_PORT = 29000  # smg's own default
 
 _FLEET = "fleet: replicas behind a router (docs/fleet.md)"
+
+# A replica is `python <SERVE> <its flags>`; -P keeps the working directory off sys.path (a
+# checkout there must not shadow the installed package: docs/architecture.md).
+SERVE = ["-P", "-m", "stoker.cli", "serve"]
 
 
 @dataclass
@@ -155,7 +159,7 @@ def plan_fleet(
     replicas = []
     for i in range(args.replicas):
         port, run_dir = base + i, run_root / f"replica-{i}"
-        cmd = [python, "-m", "services.cli", "serve", *shared]
+        cmd = [python, *SERVE, *shared]
         cmd += ["--host", REPLICA_HOST, "--port", str(port), "--run-dir", str(run_dir)]
         replicas.append(Replica(i, port, run_dir, cmd))
     urls = [r.url for r in replicas]

@@ -1,0 +1,1 @@
+"""Tools beside the serving processes: training, load generation, eval, replay, the fleet."""
