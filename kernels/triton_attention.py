@@ -1,5 +1,7 @@
 """Paged KV-cache store and attention, triton. The torch references in `paged_attention.py` are
 the oracle: tests/kernels/test_triton_kernels.py runs these under the triton interpreter on CPU.
+(Past 400 lines on purpose: the store, decode and varlen kernels share the cache layout, the
+precision rules and the launch helpers below; each kernel sits beside its launcher.)
 
 Cache layout (as in the reference): [num_blocks, block_size, num_kv_heads, head_dim]; the last
 dim must be contiguous, the others may have any stride. Inputs may be float16, bfloat16 or

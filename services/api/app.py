@@ -4,6 +4,10 @@ A handler decodes and checks the body, fans the call out into n sub-requests, an
 deltas from one queue fed by the EngineClient. Streaming responses wait for the first delta
 before sending headers, so a tokenizer-side rejection (prompt too long) is still a 400. A client
 that goes away aborts its sub-requests at once, so the scheduler frees their KV blocks.
+
+(Past 400 lines on purpose: the Api class holds every route's handler over one EngineClient and
+one Formatter; the other routes' families already live apart: tokenize_routes.py,
+dashboard_routes.py, router_routes.py.)
 """
 
 from __future__ import annotations

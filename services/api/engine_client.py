@@ -4,6 +4,10 @@ One background task reads `api_inbound` (text from tokenizers, heartbeats) and p
 the queue of the handler that owns the request; another reads SchedulerStats from the DEALER
 socket that also carries aborts to the scheduler. Per-request latency metrics are observed here,
 where every delta passes, so they do not depend on how (or whether) a client reads its stream.
+
+(Past 400 lines on purpose: the tokenizer registry, the request tracks, the dispatch of deltas
+and the health verdict share one state, the requests in flight, that would otherwise cross
+modules on every delta.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """The scheduler core (sans-IO): decides which tokens of which requests run in each step.
 
+(Past 400 lines on purpose: the policy reads top to bottom in one class, planning, preemption
+and results, as docs/scheduler.md tells it; the steady-decode fast path is apart, in steady.py.)
+
 Policy, in the style of vLLM V1 (no separate prefill and decode phases):
 - Each step has a token budget (`max_num_batched_tokens`) and a request cap (`max_num_seqs`).
 - Running requests go first, in arrival order: each asks for all its uncomputed tokens (1 when
