@@ -23,8 +23,9 @@ from stoker.common.messages import StepPlan, StepResult
 from stoker.common.sampling_params import SamplingParams
 from stoker.services.scheduler.admission import Admission
 from stoker.services.scheduler.block_manager import BlockManager
+from stoker.services.scheduler.config import SchedulerConfig
 from stoker.services.scheduler.request import RequestUpdate
-from stoker.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from stoker.services.scheduler.scheduler import Scheduler
 from stoker.services.scheduler.speculation import SpecPolicy
 from stoker.services.worker.model_runner import ModelRunner
 from stoker.services.worker.parallel.ranks import Ranks

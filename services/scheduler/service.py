@@ -42,9 +42,10 @@ from stoker.common.model_config import ModelConfig
 from stoker.common.profiling import Profiler, control, span
 from stoker.services.scheduler.admission import Admission, arrival_monotonic
 from stoker.services.scheduler.block_manager import BlockManager
+from stoker.services.scheduler.config import SchedulerConfig
 from stoker.services.scheduler.kv_events import make_publisher
 from stoker.services.scheduler.publish import Owner, StepStats, token_batches
-from stoker.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from stoker.services.scheduler.scheduler import Scheduler
 from stoker.services.scheduler.speculation import SpecPolicy
 from stoker.services.scheduler.tokenizer_outbox import TokenizerOutbox, bind_router
 from stoker.services.scheduler.worker_link import EngineStalled as EngineStalled  # for __main__
