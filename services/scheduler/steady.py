@@ -118,11 +118,12 @@ def update_one_token_each(
     requests = sched.requests
     max_model_len = sched.config.max_model_len
     running_status = RequestStatus.RUNNING
+    no_verify = NO_VERIFY_IN_FLIGHT  # a local: a global lookup per row costs ~3 us at 256
     for req_id, token in zip(req_ids, token_ids):
         request = requests.get(req_id)
         if request is None or request.status is not running_status:
             continue  # aborted or preempted while the step ran: drop the token
-        if request.spec_inflight != NO_VERIFY_IN_FLIGHT:
+        if request.spec_inflight != no_verify:
             update = sched._append(request, [token], None)
             if update is not None:
                 add_update(update)
