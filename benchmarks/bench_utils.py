@@ -9,6 +9,7 @@ import os
 import random
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +32,8 @@ BENCH_LLAMA = dict(
 
 def bench_model(name: str = "llama-d768-l12", **overrides) -> Path:
     """Build (once) and return the benchmark model folder."""
+    if str(REPO) not in sys.path:  # for tests.*; after site-packages (docs/architecture.md)
+        sys.path.append(str(REPO))
     from tests.factory import make_model
 
     path = BENCH_DIR / name
