@@ -75,7 +75,12 @@ def test_metric_aliases_and_kv_events_predict_prefix_hits(model, tmp_path) -> No
 
         # -- metric aliases, scraped while a long request runs (so the values are not all 0)
         seen = None
-        for _ in range(5):  # stats come every 0.25 s: catch one while the request runs
+        # Stats come every 0.25 s, and at once when the engine goes idle, so a request that
+        # starts as the last one ends sees its first tick 0.25 s in; the long request can be
+        # shorter than that on a fast box. A random start puts a tick inside it most times.
+        rng = random.Random(0)
+        for _ in range(20):
+            time.sleep(rng.uniform(0.0, 0.25))
             long = threading.Thread(
                 target=complete, args=([1, 2, 3], 240), kwargs={"ignore_eos": True}, daemon=True
             )
