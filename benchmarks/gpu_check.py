@@ -43,6 +43,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 if str(HERE) not in sys.path:  # imported rather than run: gpu_phases and serving live here
     sys.path.append(str(HERE))
+if str(REPO) not in sys.path:  # tests.* (the model factory, the kernel tests), after
+    sys.path.append(str(REPO))  # site-packages: docs/architecture.md, "Package layout"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
