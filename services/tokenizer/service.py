@@ -38,7 +38,6 @@ from stoker.common.messages import (  # noqa: E402
     TokenizerHeartbeat,
     pack_ids,
     unpack_ids,
-    unpack_one_id,
 )
 from stoker.common.model_config import ModelConfig, resolve_max_model_len  # noqa: E402
 from stoker.common.model_registry import resolve_model  # noqa: E402
@@ -157,38 +156,6 @@ class TokenizerService:
             state = requests.get(item.req_id)
             if state is None:
                 continue  # as above
-            if (
-                state.detok.plain
-                and item.finish_reason is None
-                and len(item.token_ids) == 4
-                and state.prompt_ids is None
-            ):
-                # The common item, one decode step's token of a running request without stop
-                # strings (a first one, or one with speculation stats): what _detokenize_one
-                # gives, with less on the way. (An error always comes with finish_reason
-                # "abort"; prompt ids go out with the first delta, on the general path.)
-                try:
-                    text = state.detok.add_token(unpack_one_id(item.token_ids))
-                except Exception as e:
-                    self._fail(item.req_id, e, deltas, stopped)
-                    continue
-                deltas.append(
-                    TextDelta(
-                        item.req_id,
-                        text,
-                        item.token_ids,
-                        None,
-                        item.logprobs,
-                        item.num_prompt_tokens,
-                        item.num_cached_tokens,
-                        item.queue_s,
-                        None,
-                        400,
-                        item.num_draft_tokens,
-                        item.num_accepted_tokens,
-                    )
-                )
-                continue
             self._detokenize_general(state, item, deltas, stopped)
         return out, stopped
 
