@@ -22,6 +22,8 @@ import typing
 from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, TypeVar
 
+from stoker.common.logs import add_log_format_arg, configure_logging
+
 T = TypeVar("T")
 FLAG = "stoker.flag"  # the key of a field's metadata that holds its Flag
 CONFIG_JSON = "config_json"
@@ -205,3 +207,17 @@ def config_from(parser: argparse.ArgumentParser, cls: type[T], args: argparse.Na
         return from_json(cls, text)
     except (TypeError, ValueError) as e:
         parser.error(str(e))
+
+
+def service_config(
+    process: str, cls: type[T], argv: Sequence[str] | None, description: str | None = None
+) -> T:
+    """A service process's settings, from its flags or the one --config-json object `stoker
+    serve` hands it; logging is set up first (the config's checks may log)."""
+    parser = argparse.ArgumentParser(prog=f"stoker {process}", description=description)
+    add_flags(parser, cls)
+    add_log_format_arg(parser)
+    add_config_json(parser)
+    args = parse_args(parser, argv)
+    configure_logging(process, args.log_format)
+    return config_from(parser, cls, args)

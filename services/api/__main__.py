@@ -1,4 +1,4 @@
-"""`python -m services.api --model PATH [--host H] [--port P] [--served-model-name NAME] ...`"""
+"""`python -m stoker.services.api --model PATH [--host H] [--port P] ...`: the api process."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> None:
     from stoker.services.api.app import build_app
     from stoker.services.api.config import ApiConfig
 
-    parser = argparse.ArgumentParser(prog="python -m services.api")
+    parser = argparse.ArgumentParser(prog="stoker api")
     add_flags(parser, ApiConfig)
     # Logging's own flags, as --log-format: read before the config, whose checks may log.
     parser.add_argument("--log-level", default=os.environ.get("STOKER_LOG_LEVEL", "INFO"))

@@ -1,4 +1,4 @@
-"""The api process's settings; each field with a flag is a `python -m services.api` flag
+"""The api process's settings; each field with a flag is a `python -m stoker.services.api` flag
 (common/config_args.py). Light to import: `stoker serve` reads it for the flags."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ _REQUEST_LOG = "request log (docs/observability.md)"
 
 @dataclasses.dataclass
 class ApiConfig:
-    """The api process's settings. Each field with a flag is a `python -m services.api` flag
+    """The api process's settings. Each field with a flag is a `python -m stoker.services.api` flag
     (common/config_args.py); `stoker serve` offers most of them too and hands them on."""
 
     model: str = flag(help="model name or path", required=True)

@@ -1,8 +1,7 @@
-"""`python -m services.scheduler [engine flags]`: the scheduler process."""
+"""`python -m stoker.services.scheduler [engine flags]`: the scheduler process."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -10,8 +9,7 @@ import signal
 from typing import TYPE_CHECKING
 
 from stoker.common.addresses import Addresses
-from stoker.common.config_args import add_config_json, add_flags, config_from, parse_args
-from stoker.common.logs import add_log_format_arg, configure_logging
+from stoker.common.config_args import service_config
 from stoker.common.shutdown import destroy_context_within, exit_on_sigterm, stop_within
 from stoker.services.scheduler.config import SchedulerServiceConfig
 
@@ -44,13 +42,7 @@ async def _serve(service: SchedulerService) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="stoker scheduler", description=__doc__)
-    add_flags(parser, SchedulerServiceConfig)
-    add_log_format_arg(parser)
-    add_config_json(parser)
-    args = parse_args(parser, argv)
-    configure_logging("scheduler", args.log_format)
-    config = config_from(parser, SchedulerServiceConfig, args)
+    config = service_config("scheduler", SchedulerServiceConfig, argv, __doc__)
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     import uvloop
 

@@ -1,5 +1,5 @@
-"""A rank other than 0 (`python -m services.worker.parallel.follower`, spawned by ranks.py; or
-the worker process itself on a node other than 0). It runs every plan rank 0 forwards,
+"""A rank other than 0 (`python -m stoker.services.worker.parallel.follower`, spawned by
+ranks.py; or the worker process itself on a node other than 0). It runs every plan rank 0 forwards,
 exactly as rank 0 does, and answers nobody: its sampled tokens equal rank 0's."""
 
 from __future__ import annotations

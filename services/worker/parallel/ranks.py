@@ -1,6 +1,6 @@
 """Starting a node's ranks, torchrun style: the calling process (the worker service, or the
 offline LLM) is this node's local rank 0 and spawns local ranks 1..n-1 as child processes
-(`python -m services.worker.parallel.follower`). Global rank = node_rank * n + local rank;
+(`python -m stoker.services.worker.parallel.follower`). Global rank = node_rank * n + local rank;
 node 0's local rank 0 is rank 0, the one that talks to the scheduler.
 
 No orphans: a child gets SIGKILL from the kernel when its parent dies (PR_SET_PDEATHSIG, so a
