@@ -40,6 +40,13 @@ STEP_TIMEOUT_S = Flag(
 )
 
 
+def fit_to_pool(max_model_len: int, num_blocks: int, block_size: int) -> int:
+    """The context length a KV pool can serve: a lone request must always fit in the pool, or
+    preempting everyone else could never make room for it. The worker's pool sizing and the
+    scheduler core both apply it (docs/kv-cache.md)."""
+    return min(max_model_len, num_blocks * block_size)
+
+
 def _kv_events_config(text: str) -> str:
     """Checked while parsing, so that `stoker serve` refuses a bad config before starting
     anything."""

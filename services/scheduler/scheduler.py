@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from stoker.common.config import fit_to_pool
 from stoker.common.messages import (
     NewRequestData,
     RunningRequestData,
@@ -60,10 +61,11 @@ class Scheduler:
         block_manager: BlockManager,
         spec: SpecPolicy | None = None,
     ) -> None:
-        # A lone request must always fit in the pool, or preempting everyone else could never
-        # make room for it: cap the context length at the pool's capacity.
-        capacity = block_manager.num_blocks * block_manager.block_size
-        self.config = dataclasses.replace(config, max_model_len=min(config.max_model_len, capacity))
+        # Served engines get the worker's fitted length already; a core driven alone needs it.
+        blocks, bs = block_manager.num_blocks, block_manager.block_size
+        self.config = dataclasses.replace(
+            config, max_model_len=fit_to_pool(config.max_model_len, blocks, bs)
+        )
         self.blocks = block_manager
         self.spec = spec
         self.waiting = WaitingQueue()  # O(1) abort of a waiting request

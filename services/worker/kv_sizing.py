@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from stoker.common.config import EngineConfig
+from stoker.common.config import EngineConfig, fit_to_pool
 from stoker.common.model_config import ModelConfig
 from stoker.common.sampling_params import SamplingParams
 from stoker.services.worker.cpu_tuning import resident_zeros
@@ -77,13 +77,12 @@ def size_kv_pool(
         num_blocks = comm.min_int(num_blocks)
     if torch.device(config.device).type == "cpu" and not config.null_model:
         check_cpu_pool_fits((num_blocks + 1) * block_bytes, memory_available_bytes(), source)
-    capacity = num_blocks * config.block_size
-    if capacity < max_model_len:
-        # A lone request must always fit in the pool, or preemption could never make room.
+    fitted = fit_to_pool(max_model_len, num_blocks, config.block_size)
+    if fitted < max_model_len:
         log.warning(
-            "KV cache holds %d tokens; capping max_model_len %d to it", capacity, max_model_len
+            "KV cache holds %d tokens; capping max_model_len %d to it", fitted, max_model_len
         )
-        max_model_len = capacity
+        max_model_len = fitted
     return KVPool(num_blocks, config.block_size, block_bytes, source, max_model_len)
 
 
