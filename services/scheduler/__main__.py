@@ -22,7 +22,7 @@ log = logging.getLogger("stoker.scheduler")
 async def _serve(service: SchedulerService) -> None:
     # SIGTERM through the loop: a plain Python handler may not run while uvloop sits in
     # epoll_wait with nothing else due, and the process then ignores SIGTERM.
-    from stoker.services.scheduler.service import EngineStalled
+    from stoker.services.scheduler.worker_link import EngineStalled
 
     task = asyncio.current_task()
     assert task is not None
@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     import uvloop
 
-    from stoker.services.scheduler.service import EXIT_STALLED, EngineStalled, SchedulerService
+    from stoker.services.scheduler.service import EXIT_STALLED, SchedulerService
+    from stoker.services.scheduler.worker_link import EngineStalled
 
     service = SchedulerService(
         config.engine,

@@ -48,7 +48,6 @@ from stoker.services.scheduler.publish import Owner, StepStats, token_batches
 from stoker.services.scheduler.scheduler import Scheduler
 from stoker.services.scheduler.speculation import SpecPolicy
 from stoker.services.scheduler.tokenizer_outbox import TokenizerOutbox, bind_router
-from stoker.services.scheduler.worker_link import EngineStalled as EngineStalled  # for __main__
 from stoker.services.scheduler.worker_link import WorkerLink
 
 log = logging.getLogger("stoker.scheduler")

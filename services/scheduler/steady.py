@@ -6,7 +6,7 @@ keyed. `Request.steady_until` marks it: while `num_computed_tokens < steady_unti
 steady, and planning it costs an id append and a counter bump. At hundreds of running requests
 nearly every row of a step is steady, so this is the scheduler's hot loop.
 
-Here live the three pieces of it, beside the general path in scheduler.py:
+Here live its four pieces, beside the general path in scheduler.py:
 - `next_general_row` walks the running list, planning steady rows inline, and hands the policy
   the first row that is not steady;
 - `plan_stop_row` plans a row at its stop (`num_computed_tokens == steady_until`): it takes
