@@ -122,9 +122,12 @@ class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
 # --- api <-> tokenizer <-> scheduler ---------------------------------------------------------
 
 
-class ChatMessage(msgspec.Struct, array_like=True):
+class ChatMessage(msgspec.Struct, array_like=True, omit_defaults=True):
     role: str
     content: str
+    name: str | None = None
+    tool_call_id: str | None = None  # a tool result answers this call
+    tool_calls: str | None = None  # an assistant's calls: OpenAI's tool_calls list, JSON text
 
 
 class TokenizeRequest(msgspec.Struct, array_like=True, tag="tokenize"):
@@ -138,6 +141,9 @@ class TokenizeRequest(msgspec.Struct, array_like=True, tag="tokenize"):
     add_generation_prompt: bool = True
     arrival_time: float = 0.0  # time.time() at the api, for queue/TTFT metrics
     return_prompt_ids: bool = False  # --log-requests: send the prompt ids in the first delta
+    tools: str | None = None  # the tools the chat template renders: OpenAI's list, JSON text
+    chat_template_kwargs: str | None = None  # extra template variables (vLLM's), a JSON object
+    continue_final_message: bool = False  # extend the last (assistant) message (vLLM's)
 
 
 class GenerateRequest(msgspec.Struct, array_like=True, gc=False, tag="generate"):

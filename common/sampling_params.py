@@ -5,6 +5,19 @@ from __future__ import annotations
 import msgspec
 
 
+class StructuredOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A constraint on the output, enforced exactly by a grammar mask (docs/structured-outputs.md).
+
+    kind: json_schema (spec: the schema as JSON text), json_object (spec ""), regex, choice
+    (spec: a JSON list of strings), lark (llguidance's Lark dialect) or gbnf (llama.cpp's).
+    The api sets kind and spec; the tokenizer process compiles them and fills `grammar`, the
+    backend's (llguidance's) grammar text, which is all the worker reads."""
+
+    kind: str
+    spec: str = ""
+    grammar: str = ""
+
+
 class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     """What to generate and how. Field names and defaults follow vLLM / OpenAI.
 
@@ -29,6 +42,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI)
+    structured: StructuredOutput | None = None  # a grammar the output must match
+    prompt_logprobs: int | None = None  # logprobs of each prompt token, plus the top-k (vLLM)
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 100.0
