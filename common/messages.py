@@ -144,6 +144,7 @@ class TokenizeRequest(msgspec.Struct, array_like=True, tag="tokenize"):
     tools: str | None = None  # the tools the chat template renders: OpenAI's list, JSON text
     chat_template_kwargs: str | None = None  # extra template variables (vLLM's), a JSON object
     continue_final_message: bool = False  # extend the last (assistant) message (vLLM's)
+    tool_format: str = ""  # the tool-call format (common/tool_calls) when tools are in play
 
 
 class GenerateRequest(msgspec.Struct, array_like=True, gc=False, tag="generate"):
