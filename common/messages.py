@@ -117,6 +117,10 @@ class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
     forward_host_s: float = 0.0  # host wall time around the forward (launches, on CUDA)
     num_tokens: int = 0  # tokens the forward ran over (prefill chunks, decodes, drafts)
     num_reqs: int = 0  # requests in the step
+    # Structured outputs (worker/grammar.py): the grammar thread's time on the step's masks,
+    # and how long sampling waited for them after the forward (the part it did not hide).
+    grammar_mask_s: float = 0.0
+    grammar_wait_s: float = 0.0
 
 
 # --- api <-> tokenizer <-> scheduler ---------------------------------------------------------
@@ -209,6 +213,10 @@ class TextDelta(msgspec.Struct, array_like=True, gc=False):
     num_draft_tokens: int = 0  # cumulative, as in RequestTokens
     num_accepted_tokens: int = 0
     prompt_token_ids: TokenIds | None = None  # first delta, when TokenizeRequest asked for them
+    # Structured outputs (docs/structured-outputs.md), on the first delta: the grammar's compile
+    # time in the tokenizer process, and whether its cache answered.
+    grammar_compile_s: float = 0.0
+    grammar_cache_hit: bool = False
 
 
 class TextBatch(msgspec.Struct, array_like=True, gc=False, tag="text"):

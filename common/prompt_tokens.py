@@ -16,27 +16,33 @@ def prompt_token_ids(
     tokenizer: Any,
     *,
     prompt: str | None = None,
-    messages: Sequence[dict[str, str]] | None = None,
+    messages: Sequence[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
     add_special_tokens: bool | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """The ids a request with this prompt (or these messages) is served with.
 
     add_special_tokens=None is what requests get: True for a prompt, none beyond the template
     for messages. True for messages renders the template to text and encodes that with the
     tokenizer's special tokens, as vLLM's /tokenize does (it may double a BOS: on purpose, so
-    a client can see that it would)."""
+    a client can see that it would). tools, chat_template_kwargs and continue_final_message
+    go to the template as in vLLM (docs/tool-calling.md)."""
     if messages is not None:
+        template_args: dict[str, Any] = dict(chat_template_kwargs or {})
+        template_args.update(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+        if tools:
+            template_args["tools"] = tools
         if add_special_tokens:
-            text = tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
-            )
+            text = tokenizer.apply_chat_template(list(messages), tokenize=False, **template_args)
             return list(tokenizer.encode(text, add_special_tokens=True))
         out = tokenizer.apply_chat_template(
-            list(messages),
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
+            list(messages), tokenize=True, return_dict=False, **template_args
         )
         # transformers 5 may hand back a BatchEncoding or a nested list: flatten to ids.
         if isinstance(out, dict) or hasattr(out, "input_ids"):

@@ -16,10 +16,12 @@ from tqdm.auto import tqdm  # noqa: E402
 from stoker.common.config import DEFAULT_MODEL, EngineConfig  # noqa: E402
 from stoker.common.finish import finish_reason, text_token_ids  # noqa: E402
 from stoker.common.messages import TokenLogprobs  # noqa: E402
-from stoker.common.sampling_params import SamplingParams  # noqa: E402
+from stoker.common.model_config import ModelConfig  # noqa: E402
+from stoker.common.sampling_params import SamplingParams, StructuredOutput  # noqa: E402
 from stoker.common.tokenizer_files import load_tokenizer  # noqa: E402
 from stoker.services.engine.core import EngineCore  # noqa: E402
 from stoker.services.tokenizer.detokenizer import IncrementalDetokenizer  # noqa: E402
+from stoker.services.tokenizer.grammar_compile import GrammarCompiler  # noqa: E402
 from stoker.services.tokenizer.pieces import PieceTables  # noqa: E402
 
 Prompt = str | Sequence[int]
@@ -99,6 +101,7 @@ class LLM:
         self.tokenizer = load_tokenizer(config.model)
         self.pieces = PieceTables(self.tokenizer)  # built on first use
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None  # built by the first structured request
 
     def close(self) -> None:
         """Stop the other ranks now (tensor_parallel_size > 1); they also stop when this object
@@ -121,6 +124,21 @@ class LLM:
                 raise ValueError("the prompt is empty")
             return prompt, self.tokenizer.encode(prompt)
         return None, [int(t) for t in prompt]
+
+    def _compiled(self, params: SamplingParams) -> SamplingParams:
+        """Params whose constraint carries its grammar (docs/structured-outputs.md); raises
+        ValueError for an invalid one, as the server's 400."""
+        structured = params.structured
+        if structured is None or structured.grammar:
+            return params
+        if self._grammars is None:
+            cfg = self.engine.config
+            model_cfg = ModelConfig.from_folder(cfg.model)
+            eos = model_cfg.eos_token_ids[0] if model_cfg.eos_token_ids else None
+            self._grammars = GrammarCompiler(self.tokenizer, model_cfg.vocab_size, eos)
+        compiled = self._grammars.compile_sync(structured)
+        ready = _replace_structured(structured, grammar=compiled.grammar)
+        return _replace(params, structured=ready)
 
     def generate(
         self,
@@ -147,6 +165,7 @@ class LLM:
         tokenized = [self._tokenize(p) for p in prompts]
         for (_, ids), params in zip(tokenized, params_list):
             self.engine.check(ids, params)
+        params_list = [self._compiled(params) for params in params_list]
 
         results: list[RequestOutput] = []
         pending: dict[str, _Pending] = {}
@@ -206,3 +225,7 @@ class LLM:
 
 def _replace(params: SamplingParams, **changes) -> SamplingParams:
     return msgspec.structs.replace(params, **changes)
+
+
+def _replace_structured(structured: StructuredOutput, **changes) -> StructuredOutput:
+    return msgspec.structs.replace(structured, **changes)

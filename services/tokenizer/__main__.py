@@ -14,7 +14,13 @@ def main(argv: list[str] | None = None) -> None:
     from stoker.services.tokenizer.service import serve  # the tokenizer libraries: not for --help
 
     slot = config.id or f"tok-{socket.gethostname()}"
-    serve(config.model, f"{slot}-{uuid.uuid4().hex[:8]}", config.max_model_len, slot)
+    serve(
+        config.model,
+        f"{slot}-{uuid.uuid4().hex[:8]}",
+        config.max_model_len,
+        slot,
+        config.grammar_compile_timeout,
+    )
 
 
 if __name__ == "__main__":

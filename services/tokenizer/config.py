@@ -16,3 +16,8 @@ class TokenizerConfig:
     # process, so a restarted tokenizer is a new incarnation (pid 1 in every container).
     id: str | None = flag(None, "slot name (default: tok-<host>); each process adds its own id")
     max_model_len: int | None = MAX_MODEL_LEN.field()
+    grammar_compile_timeout: float = flag(
+        2.0,
+        "seconds a structured-output grammar may take to compile before its request gets a 400 "
+        "(docs/structured-outputs.md)",
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -47,7 +48,13 @@ from stoker.common.tokenizer_files import load_tokenizer  # noqa: E402
 from stoker.common.validation import check_request  # noqa: E402
 from stoker.common.wire_digest import PROTOCOL  # noqa: E402
 from stoker.services.tokenizer.detokenizer import IncrementalDetokenizer  # noqa: E402
+from stoker.services.tokenizer.grammar_compile import (  # noqa: E402
+    Compiled,
+    GrammarCompiler,
+    GrammarError,
+)
 from stoker.services.tokenizer.pieces import PieceTables  # noqa: E402
+from stoker.services.tokenizer.template_inputs import template_messages  # noqa: E402
 
 log = logging.getLogger("stoker.tokenizer")
 HEARTBEAT_S = 0.5
@@ -59,6 +66,7 @@ class _Request:
     params: SamplingParams
     stop_ids: frozenset[int]  # token ids whose generation ends the request with "stop"
     prompt_ids: bytes | None = None  # for the api's request log, until the first delta takes it
+    compiled: Compiled | None = None  # its grammar's compile, reported on the first delta
 
 
 class TokenizerService:
@@ -69,6 +77,7 @@ class TokenizerService:
         addresses: Addresses,
         max_model_len: int | None = None,
         slot: str = "",
+        grammar_compile_timeout_s: float = 2.0,
     ) -> None:
         self.id = tokenizer_id
         self.slot = slot
@@ -87,21 +96,31 @@ class TokenizerService:
         self.max_model_len = resolve_max_model_len(cfg, max_model_len)
         self.requests: dict[str, _Request] = {}
         self.num_served = 0
+        eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
+        self.grammars = GrammarCompiler(
+            self.tokenizer, cfg.vocab_size, eos, timeout_s=grammar_compile_timeout_s
+        )
+        self._compiling: set[asyncio.Task[None]] = set()
 
     # -- sans-IO core (unit-testable without sockets) -------------------------------------------
 
     def tokenize(self, req: TokenizeRequest) -> list[int]:
         if req.prompt_token_ids is not None:
             return unpack_ids(req.prompt_token_ids)
-        messages = None
+        messages = tools = None
         if req.messages is not None:
-            messages = [{"role": m.role, "content": m.content} for m in req.messages]
+            messages, tools = template_messages(self.tokenizer, req)
         # The same function /tokenize calls, so what it shows is what requests get.
         return prompt_token_ids(
             self.tokenizer,
             prompt=req.prompt,
             messages=messages,
             add_generation_prompt=req.add_generation_prompt,
+            tools=tools,
+            chat_template_kwargs=(
+                json.loads(req.chat_template_kwargs) if req.chat_template_kwargs else None
+            ),
+            continue_final_message=req.continue_final_message,
         )
 
     def admit(self, req: TokenizeRequest) -> GenerateRequest | TextDelta:
@@ -124,6 +143,28 @@ class TokenizerService:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("tokenized: %d prompt tokens", len(ids), extra={"request_id": req.req_id})
         return GenerateRequest(req.req_id, packed, req.params, req.arrival_time)
+
+    async def admit_structured(self, req: TokenizeRequest) -> GenerateRequest | TextDelta:
+        """admit(), then the grammar's compile (off this loop, bounded in time): the request goes
+        on with the grammar text in its params, or ends with the compile's 4xx."""
+        out = self.admit(req)
+        structured = req.params.structured
+        if not isinstance(out, GenerateRequest) or structured is None:
+            return out
+        try:
+            compiled = await self.grammars.compile(structured)
+        except GrammarError as e:
+            self.requests.pop(req.req_id, None)
+            log.info("grammar rejected: %s", e, extra={"request_id": req.req_id})
+            return TextDelta(req.req_id, "", b"", error=str(e), error_status=e.status)
+        state = self.requests.get(req.req_id)
+        if state is None:  # aborted meanwhile
+            return TextDelta(req.req_id, "", b"", finish_reason="abort")
+        state.compiled = compiled
+        # The worker reads only the grammar: the spec (a schema) need not travel further.
+        ready = msgspec.structs.replace(structured, spec="", grammar=compiled.grammar)
+        out.params = msgspec.structs.replace(out.params, structured=ready)
+        return out
 
     def detokenize(self, batch: TokenBatch) -> tuple[TextBatch, list[str]]:
         """Text deltas for the api, and ids whose stop string matched (to abort upstream).
@@ -184,6 +225,7 @@ class TokenizerService:
 
     def _detokenize_one(self, state: _Request, item: RequestTokens) -> TextDelta:
         prompt_ids, state.prompt_ids = state.prompt_ids, None
+        compiled, state.compiled = state.compiled, None
         ids = unpack_ids(item.token_ids)
         ids = text_token_ids(
             ids, item.finish_reason, state.stop_ids, state.params.include_stop_str_in_output
@@ -207,6 +249,8 @@ class TokenizerService:
             num_draft_tokens=item.num_draft_tokens,
             num_accepted_tokens=item.num_accepted_tokens,
             prompt_token_ids=prompt_ids,
+            grammar_compile_s=0.0 if compiled is None else compiled.compile_s,
+            grammar_cache_hit=compiled is not None and compiled.cache_hit,
         )
 
     # -- IO shell -------------------------------------------------------------------------------
@@ -248,12 +292,23 @@ class TokenizerService:
             except msgspec.DecodeError:
                 log.exception("dropping a malformed TokenizeRequest")
                 continue
-            out = self.admit(req)
-            if isinstance(out, GenerateRequest):
-                await scheduler.send(encoder.encode(out))
-            else:
-                await api.send(encoder.encode(TextBatch(self.id, [out])))
+            if req.params.structured is not None:
+                # Compiles overlap: each waits in its own task while this loop goes on.
+                task = asyncio.create_task(self._admit_structured(req, scheduler, api))
+                self._compiling.add(task)
+                task.add_done_callback(self._compiling.discard)
+                continue
+            await self._forward(self.admit(req), scheduler, api)
             await let_others_run()  # the token stream and heartbeats share this loop
+
+    async def _admit_structured(self, req: TokenizeRequest, scheduler, api) -> None:
+        await self._forward(await self.admit_structured(req), scheduler, api)
+
+    async def _forward(self, out: GenerateRequest | TextDelta, scheduler, api) -> None:
+        if isinstance(out, GenerateRequest):
+            await scheduler.send(encoder.encode(out))
+        else:
+            await api.send(encoder.encode(TextBatch(self.id, [out])))
 
     async def _tokens_loop(self, scheduler: zmq.asyncio.Socket, api) -> None:
         while True:
@@ -278,10 +333,23 @@ class TokenizerService:
             await asyncio.sleep(HEARTBEAT_S)
 
 
-def serve(model: str, tokenizer_id: str, max_model_len: int | None = None, slot: str = "") -> None:
+def serve(
+    model: str,
+    tokenizer_id: str,
+    max_model_len: int | None = None,
+    slot: str = "",
+    grammar_compile_timeout_s: float = 2.0,
+) -> None:
 
     async def main() -> None:
-        service = TokenizerService(model, tokenizer_id, Addresses.from_env(), max_model_len, slot)
+        service = TokenizerService(
+            model,
+            tokenizer_id,
+            Addresses.from_env(),
+            max_model_len,
+            slot,
+            grammar_compile_timeout_s,
+        )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

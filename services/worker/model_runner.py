@@ -26,6 +26,7 @@ from stoker.services.worker.drafter import Drafter
 from stoker.services.worker.eagle.config import is_eagle_head
 from stoker.services.worker.eagle.proposer import EagleProposer, refuse_tensor_parallel
 from stoker.services.worker.forward_timer import ForwardTimer
+from stoker.services.worker.grammar import Grammars, StepMasks
 from stoker.services.worker.greedy_head import GreedyHead
 from stoker.services.worker.greedy_head import wanted as greedy_head_wanted
 from stoker.services.worker.host_copy import to_device
@@ -112,6 +113,10 @@ class ModelRunner:
         self.trim_last_layer = shapes.num_layers - 1 not in taps
         self._allocate_kv()
         self.sampler = Sampler()
+        # Structured outputs' matchers and masks (worker/grammar.py); the tokenizer builds on
+        # its own thread now, so the first structured request does not wait for it.
+        eos = self.model_cfg.eos_token_ids[0] if self.model_cfg.eos_token_ids else 0
+        self.grammars = Grammars(folder, self.model_cfg.vocab_size, eos)
         self.requests: dict[str, RequestState] = {}
         self.block_table = BlockTable(-(-self.max_model_len // self.block_size))
         self.graphs: DecodeGraphs | None = None
@@ -189,6 +194,8 @@ class ModelRunner:
                 self.block_table.release(old.table_row)
             state.table_row = self.block_table.add(state.block_ids)
             self.requests[new.req_id] = state
+            if new.params.structured is not None:
+                self.grammars.add(new.req_id, new.params.structured.grammar, output)
             scheduled.append(Scheduled(state, new.num_scheduled_tokens))
         running = plan.running
         spec_ids = running.spec_token_ids or [b""] * len(running.req_ids)
@@ -208,6 +215,8 @@ class ModelRunner:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self.block_table.release(state.table_row)
+            if state.params.structured is not None:
+                self.grammars.drop(req_id)
         if self.proposer is not None:
             self.proposer.drop(req_id)
 
@@ -249,6 +258,7 @@ class ModelRunner:
                 trim_last_layer=self.trim_last_layer,
             )
             ranges = inputs.sample_ranges
+        masks = self._begin_masks(sampled, ranges, chunks)
         t1 = time.perf_counter()
         logits = greedy_ids = None
         if self.model is not None:
@@ -274,10 +284,13 @@ class ModelRunner:
         t2 = time.perf_counter()
         with span("sample"):
             if self.model is None:
-                outputs = null_outputs(sampled, self.model_cfg.vocab_size)
+                outputs = null_outputs(sampled, self.model_cfg.vocab_size, masks, ranges, chunks)
             elif greedy_ids is not None:
                 outputs = greedy_outputs(sampled, ranges, chunks, greedy_ids)
             else:
+                assert logits is not None
+                if masks is not None:
+                    masks.apply(logits)
                 outputs = sample_outputs(
                     self.sampler,
                     sampled,
@@ -302,6 +315,8 @@ class ModelRunner:
                 state.num_computed += 1 + accepted
             state.token_ids.extend(tokens)
             state.sampling.add(tokens)
+            if state.params.structured is not None:
+                self.grammars.advance(state.req_id, tokens)
             req_ids.append(state.req_id)
             token_ids.extend(tokens)
             counts.append(len(tokens))
@@ -326,7 +341,24 @@ class ModelRunner:
             forward_host_s=forward_host_s,
             num_tokens=sum(len(c.token_ids) for c in chunks),
             num_reqs=len(chunks),
+            grammar_mask_s=0.0 if masks is None else masks.fill_s,
+            grammar_wait_s=0.0 if masks is None else masks.wait_s,
         )
+
+    def _begin_masks(
+        self, sampled: list[Scheduled], ranges: list[tuple[int, int]], chunks: list[Chunk]
+    ) -> StepMasks | None:
+        """Start the structured rows' masks, to fill while the forward runs (worker/grammar.py):
+        a verify's rows get the masks after each of its drafts."""
+        if not any(item.state.params.structured is not None for item in sampled):
+            return None
+        firsts = [first for (first, _), c in zip(ranges, chunks) if c.num_sampled]
+        rows = [
+            (item.state.req_id, first, item.drafts[: item.k] if item.k else [])
+            for item, first in zip(sampled, firsts)
+            if item.state.params.structured is not None
+        ]
+        return self.grammars.begin(rows, max(last for _, last in ranges))
 
     def forward(
         self,

@@ -72,6 +72,10 @@ def execute_plain_decode(
     ids = np.fromiter((s.token_ids[-1] for s in states), np.int64, n)
     positions = np.fromiter((s.num_computed for s in states), np.int64, n)
     rows = np.fromiter((s.table_row for s in states), np.int64, n)
+    masks = None
+    if any(s.params.structured is not None for s in states):
+        structured = [(s.req_id, i, []) for i, s in enumerate(states) if s.params.structured]
+        masks = runner.grammars.begin(structured, n)  # filled while the forward runs
     t1 = time.perf_counter()
     logits = greedy_ids = None
     if runner.model is not None:
@@ -95,10 +99,14 @@ def execute_plain_decode(
     with span("sample"):
         if runner.model is None:
             tokens = null_next_token(ids, runner.model_cfg.vocab_size).tolist()
+            if masks is not None:
+                tokens = masks.choose(tokens)
         elif greedy_ids is not None:
             tokens = host_list(greedy_ids)
         else:
             assert logits is not None
+            if masks is not None:
+                masks.apply(logits)
             rows_ = [Row(s.sampling, len(s.token_ids) - s.prompt_len) for s in states]
             batch = batch_for(rows_, runner.model_cfg.vocab_size, runner.device)
             tokens = host_list(runner.sampler(logits, batch).token_ids)
@@ -111,6 +119,8 @@ def execute_plain_decode(
         state.token_ids.append(token)
         if state.sampling.counts is not None:
             state.sampling.add((token,))
+        if state.params.structured is not None:
+            runner.grammars.advance(state.req_id, (token,))
     t3 = time.perf_counter()
     forward_host_s = t2 - t1
     forward_s = 0.0 if runner.model is None else runner.forward_timer.device_seconds(forward_host_s)
@@ -125,4 +135,6 @@ def execute_plain_decode(
         forward_host_s=forward_host_s,
         num_tokens=n,
         num_reqs=n,
+        grammar_mask_s=0.0 if masks is None else masks.fill_s,
+        grammar_wait_s=0.0 if masks is None else masks.wait_s,
     )

@@ -48,7 +48,11 @@ class RequestSampling:
         # Its tokens are the raw logits' argmax and nothing else is read from them, so the
         # runner may skip the full LM head (services/worker/greedy_head.py).
         self.argmax_only = (
-            params.greedy and self.counts is None and self.bias is None and params.logprobs is None
+            params.greedy
+            and self.counts is None
+            and self.bias is None
+            and params.logprobs is None
+            and params.structured is None  # its logits are masked first (worker/grammar.py)
         )
 
     def add(self, tokens: Sequence[int]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from stoker.common.messages import TokenLogprobs
+from stoker.services.worker.grammar import StepMasks
 from stoker.services.worker.host_copy import host_list
 from stoker.services.worker.request_state import RequestState, Scheduled, null_next_token
 from stoker.services.worker.sampler import Sampler, token_logprobs
@@ -18,8 +19,29 @@ from stoker.services.worker.step_inputs import Chunk
 Output = tuple[list[int], list[TokenLogprobs] | None]
 
 
-def null_outputs(sampled: list[Scheduled], vocab_size: int) -> list[Output]:
-    return [([null_next_token(i.state.token_ids[-1], vocab_size)], None) for i in sampled]
+def null_outputs(
+    sampled: list[Scheduled],
+    vocab_size: int,
+    masks: StepMasks | None = None,
+    ranges: list[tuple[int, int]] | None = None,
+    chunks: list[Chunk] | None = None,
+) -> list[Output]:
+    """The null model's tokens; under a grammar, the first allowed one where its own is not."""
+    tokens = [null_next_token(i.state.token_ids[-1], vocab_size) for i in sampled]
+    if masks is not None:
+        assert ranges is not None and chunks is not None
+        firsts = [first for (first, _), c in zip(ranges, chunks) if c.num_sampled]
+        by_row = masks.choose(_rows_of(tokens, firsts))
+        tokens = [by_row[first] for first in firsts]
+    return [([t], None) for t in tokens]
+
+
+def _rows_of(tokens: list[int], firsts: list[int]) -> list[int]:
+    """Per logits row, the token of the request whose first row it is (0 elsewhere)."""
+    out = [0] * (max(firsts) + 1)
+    for t, first in zip(tokens, firsts):
+        out[first] = t
+    return out
 
 
 def sample_outputs(

@@ -1,0 +1,194 @@
+"""Grammar masks next to the logits (docs/structured-outputs.md, "Where the work runs").
+
+Each structured request keeps an llguidance matcher in the worker. A step's masks are filled on
+one grammar thread while the forward runs (llguidance releases the GIL and fans rows out over
+its own thread pool), and applied to the logits just before sampling; no mask leaves this
+process. Everything that touches a matcher runs on that one thread, in submission order:
+building it (from a cached template, by deep copy), consuming the tokens the last step sampled,
+and filling the masks. So the step's host thread only queues work and waits, at most, for what
+the forward did not hide.
+
+A verify row (speculation) gets the mask of the state after the drafts before it: llguidance
+computes them by consuming the drafts and rolling back, stopping at the first draft the grammar
+rejects. That draft's row masks it out, so the target never accepts it, and the rows after it
+are never read. Greedy output with speculation is therefore the same as without.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger("stoker.worker")
+
+TEMPLATES = 256  # grammars whose first matcher is kept for deep copies (LRU)
+
+
+class RequestGrammar:
+    """A request's matcher (built on the grammar thread) and the tokens it has yet to consume."""
+
+    __slots__ = ("matcher", "pending", "mask_s")
+
+    def __init__(self, pending: list[int]) -> None:
+        self.matcher: Any = None
+        self.pending = pending  # sampled (or resumed) tokens, consumed before the next fill
+        self.mask_s = 0.0
+
+
+class StepMasks:
+    """A step's masks, being filled: `apply` waits for them and masks the logits rows."""
+
+    def __init__(
+        self, future: concurrent.futures.Future[tuple[torch.Tensor, float]], rows: list[int]
+    ) -> None:
+        self._future, self.rows = future, rows
+        self.fill_s = 0.0  # the grammar thread's time on this step (consume + fill)
+        self.wait_s = 0.0  # how long sampling waited: the part the forward did not hide
+
+    def _bitmask(self) -> torch.Tensor:
+        t0 = time.perf_counter()
+        bitmask, self.fill_s = self._future.result()
+        self.wait_s = time.perf_counter() - t0
+        return bitmask
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Disallowed tokens' logits to -inf, in the grammar rows only."""
+        bitmask = self._bitmask()
+        rows = torch.tensor(self.rows, dtype=torch.int64)
+        allowed = unpack_bits(bitmask[rows], logits.shape[1]).to(logits.device, non_blocking=True)
+        rows = rows.to(logits.device)
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+    def choose(self, tokens: list[int]) -> list[int]:
+        """The null model's tokens under the masks: its own where allowed, else the first
+        allowed one (so the host pipeline runs the grammar work without a forward)."""
+        bitmask = self._bitmask().numpy()
+        out = list(tokens)
+        for row in self.rows:
+            if row >= len(out):  # a verify's later rows: the null model samples one token
+                continue
+            bits = np.unpackbits(bitmask[row].view(np.uint8), bitorder="little")
+            if not bits[out[row]]:
+                out[row] = int(np.flatnonzero(bits)[0])
+        return out
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bits(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(V/32)] int32 words -> [rows, V] bool, bit j of word w is token 32w + j."""
+    bits = (bitmask.unsqueeze(-1) >> _SHIFTS) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+class Grammars:
+    """The worker's matchers and the thread that runs them."""
+
+    def __init__(self, model: str | Path, vocab_size: int, eos_token_id: int) -> None:
+        import llguidance  # the grammar backend
+        import llguidance.torch
+
+        self._ll = llguidance
+        self.vocab_size, self.eos = vocab_size, eos_token_id
+        self._words = (vocab_size + 31) // 32
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        # Built on the grammar thread at start-up, off the step loop.
+        self._tokenizer = self._thread.submit(self._build_tokenizer, model)
+        self._executor = llguidance.LLExecutor()
+        self._templates: OrderedDict[str, Any] = OrderedDict()  # grammar thread only
+        self.requests: dict[str, RequestGrammar] = {}
+
+    def _build_tokenizer(self, model: str | Path) -> Any:
+        import llguidance.hf
+
+        from stoker.common.tokenizer_files import load_tokenizer
+
+        hf = load_tokenizer(model)
+        return llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add(self, req_id: str, grammar: str, output_ids: Sequence[int]) -> None:
+        """A new (or resumed) structured request: its matcher is built on the grammar thread,
+        then consumes the outputs it already has."""
+        state = RequestGrammar(list(output_ids))
+        self.requests[req_id] = state
+        self._thread.submit(self._build_matcher, state, grammar)
+
+    def _build_matcher(self, state: RequestGrammar, grammar: str) -> None:
+        try:
+            state.matcher = self._matcher(grammar)
+        except Exception:  # the tokenizer process compiled it: this is a bug, not the client's
+            log.exception("building a grammar matcher failed")
+
+    def _matcher(self, grammar: str) -> Any:
+        template = self._templates.get(grammar)
+        if template is None:
+            template = self._ll.LLMatcher(self._tokenizer.result(), grammar)
+            self._templates[grammar] = template
+            if len(self._templates) > TEMPLATES:
+                self._templates.popitem(last=False)
+        else:
+            self._templates.move_to_end(grammar)
+        return template.deep_copy()
+
+    def drop(self, req_id: str) -> None:
+        self.requests.pop(req_id, None)
+
+    def advance(self, req_id: str, tokens: Sequence[int]) -> None:
+        """Tokens the step produced: consumed on the grammar thread before the next fill."""
+        state = self.requests.get(req_id)
+        if state is not None:
+            state.pending.extend(tokens)
+
+    # -- a step -----------------------------------------------------------------------------
+
+    def begin(self, rows: list[tuple[str, int, list[int]]], num_rows: int) -> StepMasks | None:
+        """Start filling the masks of a step with num_rows logits rows. rows: (request, its
+        first logits row, the drafts it verifies); a verify's rows follow its first."""
+        if not rows:
+            return None
+        jobs = [(self.requests[r], first, drafts) for r, first, drafts in rows]
+        future = self._thread.submit(self._fill, jobs, num_rows)
+        mask_rows = [first + j for _, first, drafts in rows for j in range(len(drafts) + 1)]
+        return StepMasks(future, mask_rows)
+
+    def _fill(
+        self, jobs: list[tuple[RequestGrammar, int, list[int]]], num_rows: int
+    ) -> tuple[torch.Tensor, float]:
+        t0 = time.perf_counter()
+        # -1: every token allowed, for rows no grammar fills (past a rejected draft).
+        bitmask = torch.full((num_rows, self._words), -1, dtype=torch.int32)
+        for state, _, _ in jobs:
+            if state.matcher is None:  # its build failed (logged): it may only end
+                state.matcher = self._ll.LLMatcher(self._tokenizer.result(), '{"grammars": []}')
+            if state.pending:
+                tokens, state.pending = state.pending, []
+                if not state.matcher.consume_tokens(tokens):
+                    log.warning("a grammar rejected a sampled token: %s", state.matcher.get_error())
+        ll = self._ll.torch
+        plain = [(s.matcher, first) for s, first, drafts in jobs if not drafts]
+        verify = [(s.matcher, first, drafts) for s, first, drafts in jobs if drafts]
+        if plain:
+            ll.fill_next_token_bitmask_par(self._executor, plain, bitmask)
+        if verify:
+            ll.fill_next_token_bitmask_par_with_draft_tokens(self._executor, verify, bitmask)
+        # A matcher in error (or past its end) allows nothing: allow EOS, so the row still
+        # samples and the request ends.
+        dead = ~bitmask.any(dim=1)
+        if bool(dead.any()):
+            bit = self.eos % 32
+            bitmask[dead, self.eos // 32] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32
+        seconds = time.perf_counter() - t0
+        for state, _, _ in jobs:
+            state.mask_s += seconds / len(jobs)
+        return bitmask, seconds
