@@ -184,6 +184,7 @@ class RequestTokens(msgspec.Struct, array_like=True, gc=False):
     # message, not only the last: a stop string ends the request at a non-final one.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    grammar_mask_s: float = 0.0  # on the last message: its share of the worker's mask time
 
 
 class TokenBatch(msgspec.Struct, array_like=True, gc=False, tag="tokens"):
@@ -217,6 +218,7 @@ class TextDelta(msgspec.Struct, array_like=True, gc=False):
     # time in the tokenizer process, and whether its cache answered.
     grammar_compile_s: float = 0.0
     grammar_cache_hit: bool = False
+    grammar_mask_s: float = 0.0  # on the last delta (RequestTokens')
 
 
 class TextBatch(msgspec.Struct, array_like=True, gc=False, tag="text"):

@@ -36,6 +36,10 @@ STEP_METRICS = {
     "worker_forward_host": "Host wall time around the model forward per step: on CUDA the "
     "kernel launches (or one graph replay), on CPU the compute itself.",
     "worker_sample": "Worker sampling per step.",
+    "grammar_mask": "Structured outputs: the worker's grammar thread per step with structured "
+    "rows (consuming the last tokens and filling the masks), overlapped with the forward.",
+    "grammar_wait": "Structured outputs: how long sampling waited for the masks after the "
+    "forward, per step with structured rows (the part the forward did not hide).",
     "worker_idle": "Worker idle gap: time it waited for the next plan while there was work "
     "(a wait that began with an engine holding no requests is not counted).",
 }

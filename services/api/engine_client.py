@@ -473,6 +473,10 @@ class EngineClient:
                     track.first = now
                     m.ttft.observe(now - track.arrival)
                     m.queue_time.observe(d.queue_s)
+                    if d.grammar_compile_s or d.grammar_cache_hit:
+                        m.grammar_compiles.labels("hit" if d.grammar_cache_hit else "miss").inc()
+                        if not d.grammar_cache_hit:
+                            m.grammar_compile.observe(d.grammar_compile_s)
                     m.prompt_tokens.inc(d.num_prompt_tokens)
                 else:
                     # Tokens that arrive together share the gap since the last ones.
@@ -488,6 +492,8 @@ class EngineClient:
                         extra={"request_id": d.req_id},
                     )
                 m.e2e.observe(now - track.arrival)
+                if d.grammar_mask_s:
+                    m.grammar_mask.observe(d.grammar_mask_s)
                 m.request_success.labels(d.finish_reason).inc()
                 self._untrack(d.req_id)
 

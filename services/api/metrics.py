@@ -216,6 +216,25 @@ class Metrics:
             ["finished_reason"],
             registry=r,
         )
+        # Structured outputs (docs/structured-outputs.md), per structured request.
+        self.grammar_compile = Histogram(
+            "stoker:grammar_compile_seconds",
+            "Grammar compile time in the tokenizer process, for compiles the cache did not answer.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.grammar_compiles = Counter(
+            "stoker:grammar_compiles",
+            "Structured requests admitted, by whether the compile cache answered.",
+            ["cache"],
+            registry=r,
+        )
+        self.grammar_mask = Histogram(
+            "stoker:grammar_mask_seconds",
+            "A structured request's share of the worker's grammar-mask time, over its life.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         r.register(_EngineCollector(snapshot))
         r.register(_TokenCollector(self))
 

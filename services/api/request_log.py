@@ -61,6 +61,11 @@ class RequestRecord(msgspec.Struct, omit_defaults=False):
     prompt: str | None = None  # --log-requests-text only
     messages: list[ChatMessage] | None = None  # --log-requests-text only (chat requests)
     output_text: str | None = None  # --log-requests-text only; after stop-string truncation
+    # Structured requests only (docs/structured-outputs.md): the tokenizer's compile time (0 on
+    # a cache hit), whether the cache answered, and its share of the worker's mask time.
+    grammar_compile_s: float | None = None
+    grammar_cache_hit: bool | None = None
+    grammar_mask_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -85,6 +90,9 @@ class ChoiceLog:
     error: str | None = None
     ttft_s: float | None = None
     e2e_s: float = 0.0
+    grammar_compile_s: float = 0.0
+    grammar_cache_hit: bool = False
+    grammar_mask_s: float = 0.0
 
     @classmethod
     def start(cls, req: TokenizeRequest, with_text: bool) -> ChoiceLog:
@@ -111,6 +119,13 @@ class ChoiceLog:
                 d.num_draft_tokens,
                 d.num_accepted_tokens,
             )
+        if d.grammar_compile_s or d.grammar_cache_hit:
+            self.grammar_compile_s, self.grammar_cache_hit = (
+                d.grammar_compile_s,
+                d.grammar_cache_hit,
+            )
+        if d.grammar_mask_s:
+            self.grammar_mask_s = d.grammar_mask_s
         if d.error is not None and self.error is None:
             self.error = d.error
         if d.finish_reason is not None or d.error is not None:
@@ -142,7 +157,18 @@ def build_record(c: ChoiceLog, model: str) -> RequestRecord:
         prompt=c.prompt,
         messages=c.messages,
         output_text="".join(c.text) if c.with_text else None,
+        **_grammar_fields(c),
     )
+
+
+def _grammar_fields(c: ChoiceLog) -> dict[str, Any]:
+    if c.params.structured is None:
+        return {}
+    return {
+        "grammar_compile_s": c.grammar_compile_s,
+        "grammar_cache_hit": c.grammar_cache_hit,
+        "grammar_mask_s": c.grammar_mask_s,
+    }
 
 
 T = TypeVar("T")

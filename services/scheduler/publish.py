@@ -64,6 +64,7 @@ def token_batches(
             item.num_draft_tokens = request.num_draft_tokens
             item.num_accepted_tokens = request.num_accepted_tokens
         if reason is not None:
+            item.grammar_mask_s = request.grammar_mask_s
             del owners[update.req_id]
         batch.items.append(item)
     for routing_id, tokens in steady_tokens.items():
@@ -91,6 +92,9 @@ class StepStats:
         t.observe("worker_forward_host", result.forward_host_s)
         t.observe("worker_sample", result.sample_s)
         t.observe("worker_idle", self.idle_gaps.gap(result.step_id, result.idle_s))
+        if result.grammar_mask_s:
+            t.observe("grammar_mask", result.grammar_mask_s)
+            t.observe("grammar_wait", result.grammar_wait_s)
         if result.num_reqs:
             t.observe_batch(result.num_tokens, result.num_reqs)
         self.busy.add(result.prepare_s + result.forward_host_s + result.sample_s)

@@ -57,6 +57,7 @@ class Request:
         "ngram_index",
         "num_draft_tokens",
         "num_accepted_tokens",
+        "grammar_mask_s",
     )
 
     def __init__(
@@ -99,6 +100,7 @@ class Request:
         self.ngram_index: NgramIndex | None = None
         self.num_draft_tokens = 0  # speculative tokens proposed for it, over all its verifies
         self.num_accepted_tokens = 0  # of those, accepted
+        self.grammar_mask_s = 0.0  # its share of the worker's grammar-mask time (structured)
 
     @property
     def num_tokens(self) -> int:

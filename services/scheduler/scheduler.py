@@ -390,6 +390,8 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[RequestUpdate]:
         """Apply a step's sampled tokens; return per-request updates (new tokens, finishes)."""
         token_ids = unpack_ids(result.token_ids)  # one C-level conversion per step
+        if result.grammar_mask_s:
+            self._share_grammar_time(result)
         if self.fast_paths and result.counts is None and result.logprobs is None:
             return steady.update_one_token_each(self, plan, result.req_ids, token_ids)
         # Cache first: a request that finishes below frees its blocks, and the blocks it filled
@@ -413,6 +415,17 @@ class Scheduler:
             if update is not None:
                 updates.append(update)
         return updates
+
+    def _share_grammar_time(self, result: StepResult) -> None:
+        """The step's grammar-mask time, split evenly over its structured requests (the worker
+        fills their masks as one batch): each request's figure for the request log."""
+        structured = [
+            r
+            for r in map(self.requests.get, result.req_ids)
+            if r is not None and r.params.structured is not None
+        ]
+        for request in structured:
+            request.grammar_mask_s += result.grammar_mask_s / len(structured)
 
     def _append(
         self,

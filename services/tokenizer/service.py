@@ -251,6 +251,7 @@ class TokenizerService:
             prompt_token_ids=prompt_ids,
             grammar_compile_s=0.0 if compiled is None else compiled.compile_s,
             grammar_cache_hit=compiled is not None and compiled.cache_hit,
+            grammar_mask_s=item.grammar_mask_s,
         )
 
     # -- IO shell -------------------------------------------------------------------------------

@@ -44,6 +44,8 @@
     queue: chart("queue", { series: [{ key: "running", label: "running" }, { key: "waiting", label: "waiting" }] }),
     kv: chart("kv", { unit: "%", yMin: 100, series: [{ key: "kv_usage", label: "KV usage" },
       { key: "prefix_hit", label: "prefix-cache hits" }] }),
+    grammar: chart("grammar", { unit: "ms", series: [{ key: "step_grammar_mask", label: "mask fill" },
+      { key: "step_grammar_wait", label: "sampling waited" }] }),
     spec: chart("spec", { unit: "%", yMin: 100, series: [{ key: "spec_accept", label: "accepted" }] }),
     worker: chart("worker", { unit: "ms", stacked: true,
       series: WORKER_PARTS.map(([k, l]) => ({ key: `step_${k}`, label: l })) }),
@@ -84,7 +86,15 @@
       for (const q of [50, 90, 99]) out[`${key}_p${q}`] = 1000 * M.quantile(q / 100, observed);
     }
     const timed = ["worker_prepare", "worker_forward", "worker_forward_host", "worker_sample",
-      "worker_idle", ...HOST_PARTS.map(([name]) => name)];
+      "worker_idle", "grammar_mask", "grammar_wait", ...HOST_PARTS.map(([name]) => name)];
+    // Structured outputs (docs/structured-outputs.md): compiles and the compile cache's share.
+    const compiled = (cache) => M.increase(v(a, "stoker:grammar_compiles_total", { cache }) ?? 0,
+      v(b, "stoker:grammar_compiles_total", { cache }) ?? 0);
+    const hits = compiled("hit");
+    const misses = compiled("miss");
+    out.grammar_hit = hits + misses > 0 ? (100 * hits) / (hits + misses) : NaN;
+    const compiles = inc("stoker:grammar_compile_seconds_count");
+    out.grammar_compile = compiles > 0 ? (1000 * inc("stoker:grammar_compile_seconds_sum")) / compiles : NaN;
     for (const name of timed) {
       const family = `stoker:step_${name}_seconds`;
       const n = inc(`${family}_count`);
@@ -132,6 +142,8 @@
     positions.draw(posKeys.map((k) => ({ label: `#${k.slice(9)}`, value: values[k] })));
     $("panel-spec").classList.toggle("off", !STATE.spec);
     $("panel-forward").classList.toggle("off", !STATE.forward);
+    $("grammar-note").textContent = `compile cache hits ${formatValue(values.grammar_hit, "%")}, ` +
+      `mean compile ${formatValue(values.grammar_compile, "ms")} (tokenizer processes)`;
     $("forward-note").textContent = STATE.forward ? `device fed share ${formatValue(values.fed, "%")}`
       : "this server does not export the forward-pass split (stoker:step_worker_forward_host_seconds)";
     $("spec-note").textContent = STATE.spec
