@@ -104,6 +104,12 @@ class EngineConfig:
         "largest decode batch captured as a CUDA graph (capped by --max-num-seqs)",
         group=ENGINE,
     )
+    grammar_fast_forward: bool = flag(
+        True,
+        "structured outputs: propose the tokens a grammar forces as drafts, verified like any "
+        "draft, so greedy output is unchanged (docs/structured-outputs.md)",
+        group=ENGINE,
+    )
     # Speculative decoding (docs/speculation.md): None, "ngram" (prompt lookup, proposed by the
     # scheduler) or "draft" (a small model in the worker; default: the bundled draft).
     speculative: str | None = flag(None, choices=["ngram", "draft"], group=ENGINE)

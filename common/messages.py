@@ -121,6 +121,10 @@ class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
     # and how long sampling waited for them after the forward (the part it did not hide).
     grammar_mask_s: float = 0.0
     grammar_wait_s: float = 0.0
+    # Fast-forward: structured requests whose grammar forces the next tokens, and those tokens,
+    # for the scheduler to propose as drafts (docs/structured-outputs.md).
+    forced_req_ids: list[str] = []
+    forced_token_ids: list[TokenIds] = []
 
 
 # --- api <-> tokenizer <-> scheduler ---------------------------------------------------------
@@ -185,6 +189,7 @@ class RequestTokens(msgspec.Struct, array_like=True, gc=False):
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     grammar_mask_s: float = 0.0  # on the last message: its share of the worker's mask time
+    num_forced_tokens: int = 0  # on the last message: fast-forwarded tokens accepted
 
 
 class TokenBatch(msgspec.Struct, array_like=True, gc=False, tag="tokens"):
@@ -219,6 +224,7 @@ class TextDelta(msgspec.Struct, array_like=True, gc=False):
     grammar_compile_s: float = 0.0
     grammar_cache_hit: bool = False
     grammar_mask_s: float = 0.0  # on the last delta (RequestTokens')
+    num_forced_tokens: int = 0  # on the last delta (RequestTokens')
 
 
 class TextBatch(msgspec.Struct, array_like=True, gc=False, tag="text"):

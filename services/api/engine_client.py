@@ -494,6 +494,8 @@ class EngineClient:
                 m.e2e.observe(now - track.arrival)
                 if d.grammar_mask_s:
                     m.grammar_mask.observe(d.grammar_mask_s)
+                if d.num_forced_tokens:
+                    m.grammar_forced_tokens.inc(d.num_forced_tokens)
                 m.request_success.labels(d.finish_reason).inc()
                 self._untrack(d.req_id)
 

@@ -235,6 +235,12 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.grammar_forced_tokens = Counter(
+            "stoker:grammar_forced_tokens",
+            "Tokens a grammar forced, proposed as drafts and accepted (fast-forward): each "
+            "saved a forward pass.",
+            registry=r,
+        )
         r.register(_EngineCollector(snapshot))
         r.register(_TokenCollector(self))
 

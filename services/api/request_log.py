@@ -66,6 +66,7 @@ class RequestRecord(msgspec.Struct, omit_defaults=False):
     grammar_compile_s: float | None = None
     grammar_cache_hit: bool | None = None
     grammar_mask_s: float | None = None
+    num_forced_tokens: int | None = None  # fast-forwarded tokens accepted
 
 
 @dataclasses.dataclass
@@ -93,6 +94,7 @@ class ChoiceLog:
     grammar_compile_s: float = 0.0
     grammar_cache_hit: bool = False
     grammar_mask_s: float = 0.0
+    num_forced_tokens: int = 0
 
     @classmethod
     def start(cls, req: TokenizeRequest, with_text: bool) -> ChoiceLog:
@@ -126,6 +128,8 @@ class ChoiceLog:
             )
         if d.grammar_mask_s:
             self.grammar_mask_s = d.grammar_mask_s
+        if d.num_forced_tokens:
+            self.num_forced_tokens = d.num_forced_tokens
         if d.error is not None and self.error is None:
             self.error = d.error
         if d.finish_reason is not None or d.error is not None:
@@ -168,6 +172,7 @@ def _grammar_fields(c: ChoiceLog) -> dict[str, Any]:
         "grammar_compile_s": c.grammar_compile_s,
         "grammar_cache_hit": c.grammar_cache_hit,
         "grammar_mask_s": c.grammar_mask_s,
+        "num_forced_tokens": c.num_forced_tokens,
     }
 
 

@@ -65,6 +65,7 @@ def token_batches(
             item.num_accepted_tokens = request.num_accepted_tokens
         if reason is not None:
             item.grammar_mask_s = request.grammar_mask_s
+            item.num_forced_tokens = request.num_forced_tokens
             del owners[update.req_id]
         batch.items.append(item)
     for routing_id, tokens in steady_tokens.items():

@@ -58,6 +58,9 @@ class Request:
         "num_draft_tokens",
         "num_accepted_tokens",
         "grammar_mask_s",
+        "forced",
+        "forced_inflight",
+        "num_forced_tokens",
     )
 
     def __init__(
@@ -101,6 +104,12 @@ class Request:
         self.num_draft_tokens = 0  # speculative tokens proposed for it, over all its verifies
         self.num_accepted_tokens = 0  # of those, accepted
         self.grammar_mask_s = 0.0  # its share of the worker's grammar-mask time (structured)
+        # Fast-forward (docs/structured-outputs.md): the tokens its grammar forces after its last
+        # known token, proposed as its next drafts; whether the verify in flight checks them;
+        # and how many of them were accepted.
+        self.forced: list[int] = []
+        self.forced_inflight = False
+        self.num_forced_tokens = 0
 
     @property
     def num_tokens(self) -> int:

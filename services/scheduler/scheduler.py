@@ -68,6 +68,7 @@ class Scheduler:
         )
         self.blocks = block_manager
         self.spec = spec
+        self._forced: set[str] = set()  # requests with forced tokens (fast-forward) to propose
         self.waiting = WaitingQueue()  # O(1) abort of a waiting request
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -129,7 +130,8 @@ class Scheduler:
         self._plan_running(step)
         if not step.preempted:
             self._admit_waiting(step)
-        steady.fill_running_rows(step.running, step.patches, self.spec is not None)
+        drafted = self.spec is not None or any(patch[3] for patch in step.patches)
+        steady.fill_running_rows(step.running, step.patches, drafted)
         self._step_id += 1
         plan = StepPlan(
             step_id=self._step_id,
@@ -181,6 +183,12 @@ class Scheduler:
             drafts: list[int] | int = 0
             if request.spec_inflight != NO_VERIFY_IN_FLIGHT:
                 num_tokens = 0  # its token count is unknown until the verify returns
+            elif request.forced and num_tokens == 1 and not prompt_chunk:
+                if request.num_placeholders:
+                    num_tokens = 0  # they follow the token in flight: propose them after it
+                else:
+                    drafts = self._forced_drafts(request, budget)
+                    num_tokens += len(drafts)
             elif speculate and num_tokens == 1 and not prompt_chunk and request.num_output_tokens:
                 if request.num_placeholders:
                     num_tokens = 0  # speculate from real tokens once the step in flight returns
@@ -280,6 +288,36 @@ class Scheduler:
         k = min(self.spec.num_drafts(request), room)
         return self.spec.propose(request, k) if k > 0 else 0
 
+    def _forced_drafts(self, request: Request, budget: int) -> list[int]:
+        """The tokens its grammar forces, as drafts (fast-forward), within the same bounds as
+        speculation's; the worker verifies them like any draft."""
+        room = min(
+            request.max_tokens - request.num_output_tokens - 1,
+            self.config.max_model_len - request.num_tokens - 1,
+            budget - 1,
+        )
+        drafts = request.forced[: max(room, 0)]
+        self._drop_forced(request)
+        request.forced_inflight = bool(drafts)
+        return drafts
+
+    def _drop_forced(self, request: Request) -> None:
+        request.forced = []
+        self._forced.discard(request.req_id)
+
+    def _take_forced(self, result: StepResult) -> None:
+        """A result's tokens make earlier forced tokens stale; it brings the new ones."""
+        if self._forced:
+            for req_id in result.req_ids:
+                if req_id in self._forced:
+                    self._drop_forced(self.requests[req_id])
+        for req_id, packed in zip(result.forced_req_ids, result.forced_token_ids):
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.forced = unpack_ids(packed)
+                request.steady_until = NOT_STEADY  # the general path plans its drafts
+                self._forced.add(req_id)
+
     def _fits_above_watermark(self, request: Request, total_tokens: int) -> bool:
         if not self.running:  # an idle engine always admits, whatever the watermark
             return True
@@ -369,6 +407,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.spec_inflight = NO_VERIFY_IN_FLIGHT
+        request.forced_inflight = False
+        self._drop_forced(request)
         request.steady_until = NOT_STEADY
         request.next_key_len = 0
         request.num_preemptions += 1
@@ -380,6 +420,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self._forced.discard(request.req_id)
         self.blocks.free(request.req_id)
         del self.requests[request.req_id]
         if not request.needs_full_send:  # the worker holds state for it
@@ -393,7 +434,10 @@ class Scheduler:
         if result.grammar_mask_s:
             self._share_grammar_time(result)
         if self.fast_paths and result.counts is None and result.logprobs is None:
-            return steady.update_one_token_each(self, plan, result.req_ids, token_ids)
+            updates = steady.update_one_token_each(self, plan, result.req_ids, token_ids)
+            if self._forced or result.forced_req_ids:
+                self._take_forced(result)
+            return updates
         # Cache first: a request that finishes below frees its blocks, and the blocks it filled
         # in its last step must already be in the prefix cache by then.
         self._cache_computed_blocks(plan)
@@ -414,6 +458,8 @@ class Scheduler:
             update = self._append(request, tokens, logprobs)  # type: ignore[arg-type]
             if update is not None:
                 updates.append(update)
+        if self._forced or result.forced_req_ids:
+            self._take_forced(result)
         return updates
 
     def _share_grammar_time(self, result: StepResult) -> None:
@@ -434,11 +480,15 @@ class Scheduler:
         logprobs: list[TokenLogprobs] | None,
     ) -> RequestUpdate | None:
         if request.spec_inflight != NO_VERIFY_IN_FLIGHT:
-            assert self.spec is not None
             drafts, accepted = request.spec_inflight, len(tokens) - 1
             request.num_computed_tokens -= drafts - accepted  # rejected positions are not valid
             request.spec_inflight = NO_VERIFY_IN_FLIGHT
-            self.spec.on_result(request, drafts, accepted)
+            if request.forced_inflight:  # fast-forward's drafts, not speculation's
+                request.forced_inflight = False
+                request.num_forced_tokens += accepted
+            else:
+                assert self.spec is not None
+                self.spec.on_result(request, drafts, accepted)
         max_len = self.config.max_model_len
         reason = None
         for i, token in enumerate(tokens):

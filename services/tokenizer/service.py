@@ -252,6 +252,7 @@ class TokenizerService:
             grammar_compile_s=0.0 if compiled is None else compiled.compile_s,
             grammar_cache_hit=compiled is not None and compiled.cache_hit,
             grammar_mask_s=item.grammar_mask_s,
+            num_forced_tokens=item.num_forced_tokens,
         )
 
     # -- IO shell -------------------------------------------------------------------------------

@@ -3,10 +3,11 @@
 Each structured request keeps an llguidance matcher in the worker. A step's masks are filled on
 one grammar thread while the forward runs (llguidance releases the GIL and fans rows out over
 its own thread pool), and applied to the logits just before sampling; no mask leaves this
-process. Everything that touches a matcher runs on that one thread, in submission order:
-building it (from a cached template, by deep copy), consuming the tokens the last step sampled,
-and filling the masks. So the step's host thread only queues work and waits, at most, for what
-the forward did not hide.
+process. Matchers are built on that thread too (from a cached template, by deep copy), in
+submission order before their first fill. The step's host thread queues that work, waits at
+most for what the forward did not hide, and after sampling consumes the new tokens (a few
+microseconds each; the grammar thread is idle then) and reads the tokens the grammar forces
+next, which the scheduler proposes as drafts (fast-forward).
 
 A verify row (speculation) gets the mask of the state after the drafts before it: llguidance
 computes them by consuming the drafts and rolling back, stopping at the first draft the grammar
@@ -33,13 +34,13 @@ TEMPLATES = 256  # grammars whose first matcher is kept for deep copies (LRU)
 
 
 class RequestGrammar:
-    """A request's matcher (built on the grammar thread) and the tokens it has yet to consume."""
+    """A request's matcher, built on the grammar thread with the outputs it resumes with."""
 
-    __slots__ = ("matcher", "pending", "mask_s")
+    __slots__ = ("matcher", "resumed", "mask_s")
 
-    def __init__(self, pending: list[int]) -> None:
+    def __init__(self, resumed: list[int]) -> None:
         self.matcher: Any = None
-        self.pending = pending  # sampled (or resumed) tokens, consumed before the next fill
+        self.resumed = resumed  # a preempted request's outputs, consumed once it is built
         self.mask_s = 0.0
 
 
@@ -93,12 +94,15 @@ def unpack_bits(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class Grammars:
     """The worker's matchers and the thread that runs them."""
 
-    def __init__(self, model: str | Path, vocab_size: int, eos_token_id: int) -> None:
+    def __init__(
+        self, model: str | Path, vocab_size: int, eos_token_id: int, fast_forward: bool = True
+    ) -> None:
         import llguidance  # the grammar backend
         import llguidance.torch
 
         self._ll = llguidance
         self.vocab_size, self.eos = vocab_size, eos_token_id
+        self.fast_forward = fast_forward
         self._words = (vocab_size + 31) // 32
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         # Built on the grammar thread at start-up, off the step loop.
@@ -126,7 +130,10 @@ class Grammars:
 
     def _build_matcher(self, state: RequestGrammar, grammar: str) -> None:
         try:
-            state.matcher = self._matcher(grammar)
+            matcher = self._matcher(grammar)
+            if state.resumed and not matcher.consume_tokens(state.resumed):
+                log.warning("a grammar rejected a resumed output: %s", matcher.get_error())
+            state.matcher = matcher
         except Exception:  # the tokenizer process compiled it: this is a bug, not the client's
             log.exception("building a grammar matcher failed")
 
@@ -144,11 +151,20 @@ class Grammars:
     def drop(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
 
-    def advance(self, req_id: str, tokens: Sequence[int]) -> None:
-        """Tokens the step produced: consumed on the grammar thread before the next fill."""
+    def advance(self, req_id: str, tokens: Sequence[int]) -> list[int]:
+        """Consume the tokens a step produced (its masks are filled, so the grammar thread is
+        done with this matcher); return the tokens the grammar now forces, for the scheduler to
+        propose as drafts (fast-forward), [] when off or none. A few microseconds."""
         state = self.requests.get(req_id)
-        if state is not None:
-            state.pending.extend(tokens)
+        if state is None or state.matcher is None:
+            return []
+        matcher = state.matcher
+        if not matcher.consume_tokens(list(tokens)):
+            log.warning("a grammar rejected a sampled token: %s", matcher.get_error())
+            return []
+        if not self.fast_forward or matcher.is_stopped():
+            return []
+        return matcher.compute_ff_tokens()
 
     # -- a step -----------------------------------------------------------------------------
 
@@ -171,10 +187,6 @@ class Grammars:
         for state, _, _ in jobs:
             if state.matcher is None:  # its build failed (logged): it may only end
                 state.matcher = self._ll.LLMatcher(self._tokenizer.result(), '{"grammars": []}')
-            if state.pending:
-                tokens, state.pending = state.pending, []
-                if not state.matcher.consume_tokens(tokens):
-                    log.warning("a grammar rejected a sampled token: %s", state.matcher.get_error())
         ll = self._ll.torch
         plain = [(s.matcher, first) for s, first, drafts in jobs if not drafts]
         verify = [(s.matcher, first, drafts) for s, first, drafts in jobs if drafts]

@@ -116,7 +116,9 @@ class ModelRunner:
         # Structured outputs' matchers and masks (worker/grammar.py); the tokenizer builds on
         # its own thread now, so the first structured request does not wait for it.
         eos = self.model_cfg.eos_token_ids[0] if self.model_cfg.eos_token_ids else 0
-        self.grammars = Grammars(folder, self.model_cfg.vocab_size, eos)
+        self.grammars = Grammars(
+            folder, self.model_cfg.vocab_size, eos, config.grammar_fast_forward
+        )
         self.requests: dict[str, RequestState] = {}
         self.block_table = BlockTable(-(-self.max_model_len // self.block_size))
         self.graphs: DecodeGraphs | None = None
@@ -305,6 +307,8 @@ class ModelRunner:
                 continue  # advanced below by what was accepted
             item.state.num_computed += item.num_tokens
         req_ids, token_ids, counts = [], [], []
+        forced_ids: list[str] = []  # structured requests whose grammar forces what comes next
+        forced_tokens: list[bytes] = []
         logprobs: list[TokenLogprobs | None] = []  # filled only once some request has them
         for item, (tokens, lps) in zip(sampled, outputs):
             state = item.state
@@ -316,7 +320,10 @@ class ModelRunner:
             state.token_ids.extend(tokens)
             state.sampling.add(tokens)
             if state.params.structured is not None:
-                self.grammars.advance(state.req_id, tokens)
+                forced = self.grammars.advance(state.req_id, tokens)
+                if forced:
+                    forced_ids.append(state.req_id)
+                    forced_tokens.append(pack_ids(forced))
             req_ids.append(state.req_id)
             token_ids.extend(tokens)
             counts.append(len(tokens))
@@ -341,6 +348,8 @@ class ModelRunner:
             forward_host_s=forward_host_s,
             num_tokens=sum(len(c.token_ids) for c in chunks),
             num_reqs=len(chunks),
+            forced_req_ids=forced_ids,
+            forced_token_ids=forced_tokens,
             grammar_mask_s=0.0 if masks is None else masks.fill_s,
             grammar_wait_s=0.0 if masks is None else masks.wait_s,
         )

@@ -114,13 +114,18 @@ def execute_plain_decode(
                 lists = [[t] for t in tokens]
                 per_request = request_logprobs(states, list(range(n)), lists, logits)
                 logprobs = [None if lp is None else lp[0] for lp in per_request]
+    forced_ids: list[str] = []  # as in ModelRunner.execute
+    forced_tokens: list[bytes] = []
     for state, token in zip(states, tokens):
         state.num_computed += 1
         state.token_ids.append(token)
         if state.sampling.counts is not None:
             state.sampling.add((token,))
         if state.params.structured is not None:
-            runner.grammars.advance(state.req_id, (token,))
+            forced = runner.grammars.advance(state.req_id, (token,))
+            if forced:
+                forced_ids.append(state.req_id)
+                forced_tokens.append(pack_ids(forced))
     t3 = time.perf_counter()
     forward_host_s = t2 - t1
     forward_s = 0.0 if runner.model is None else runner.forward_timer.device_seconds(forward_host_s)
@@ -135,6 +140,8 @@ def execute_plain_decode(
         forward_host_s=forward_host_s,
         num_tokens=n,
         num_reqs=n,
+        forced_req_ids=forced_ids,
+        forced_token_ids=forced_tokens,
         grammar_mask_s=0.0 if masks is None else masks.fill_s,
         grammar_wait_s=0.0 if masks is None else masks.wait_s,
     )

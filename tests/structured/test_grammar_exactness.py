@@ -168,3 +168,29 @@ def test_invalid_constraint_is_a_value_error(llm):
         llm.generate([[5, 6, 7]], bad, use_tqdm=False)
     with pytest.raises(ValueError):
         llm.generate([[5, 6, 7]], SamplingParams(structured=StructuredOutput("regex", "(")))
+
+
+def test_fast_forward_keeps_greedy_output(model_path, monkeypatch):
+    """Forced tokens proposed as drafts (scheduler) and verified under the masks (worker): the
+    same tokens as without (benchmarks/structured_outputs.py counts the passes saved)."""
+    from stoker.services.scheduler.scheduler import Scheduler
+
+    prompts = _prompts(7, 4)
+    params = SamplingParams(max_tokens=60, temperature=0.0, structured=CONSTRAINTS["json"])
+    off = LLM(str(model_path), **OPTIONS, grammar_fast_forward=False)
+    want = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
+    proposed: list[int] = []
+    original = Scheduler._forced_drafts
+
+    def spy(self, request, budget):
+        drafts = original(self, request, budget)
+        proposed.append(len(drafts))
+        return drafts
+
+    monkeypatch.setattr(Scheduler, "_forced_drafts", spy)
+    on = LLM(str(model_path), **OPTIONS)
+    got = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert sum(proposed) > 0  # `{"ok":` and friends are forced
+    blocks = on.engine.block_manager
+    assert blocks.num_free_blocks() == blocks.num_blocks
