@@ -81,6 +81,7 @@ def load() -> ModuleType | None:
                             "sampling_noise.cpp",
                             "llama_layer.cpp",
                             "bf16_pairs.cpp",
+                            "token_mask.cpp",
                         )
                     ],
                     extra_cflags=CFLAGS,
@@ -244,6 +245,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return None
     module = load()
     return None if module is None else module.silu_and_mul(gate_up)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> bool:
+    """The grammar mask natively, in place (kernels/token_mask.py); False: use the reference."""
+    if logits.dtype != torch.float32 or not logits.is_cpu or logits.stride(-1) != 1:
+        return False
+    module = load()
+    if module is None:
+        return False
+    module.apply_token_bitmask(logits, bitmask, rows)
+    return True
 
 
 def store_kv(

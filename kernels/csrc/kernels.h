@@ -34,6 +34,7 @@ void store_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
               torch::Tensor value, torch::Tensor slot_mapping);
 
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 bool bf16_pairs_supported();
 torch::Tensor pack_bf16_pairs(torch::Tensor weight);
 using OptTensor = c10::optional<torch::Tensor>;

@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from stoker.kernels.token_mask import apply_token_bitmask
+
 log = logging.getLogger("stoker.worker")
 
 TEMPLATES = 256  # grammars whose first matcher is kept for deep copies (LRU)
@@ -63,32 +65,29 @@ class StepMasks:
     def apply(self, logits: torch.Tensor) -> None:
         """Disallowed tokens' logits to -inf, in the grammar rows only."""
         bitmask = self._bitmask()
-        rows = torch.tensor(self.rows, dtype=torch.int64)
-        allowed = unpack_bits(bitmask[rows], logits.shape[1]).to(logits.device, non_blocking=True)
-        rows = rows.to(logits.device)
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        if not logits.is_cpu:
+            bitmask = bitmask.to(logits.device, non_blocking=True)
+        apply_token_bitmask(logits, bitmask, torch.tensor(self.rows, dtype=torch.int64))
 
     def choose(self, tokens: list[int]) -> list[int]:
-        """The null model's tokens under the masks: its own where allowed, else the first
-        allowed one (so the host pipeline runs the grammar work without a forward)."""
-        bitmask = self._bitmask().numpy()
+        """The null model's tokens under the masks: its own where allowed, else the lowest
+        allowed id in the first word at or after its own that allows any (wrapping), so the
+        host pipeline walks the grammar without a forward."""
+        words = self._bitmask().numpy().view(np.uint32)
         out = list(tokens)
         for row in self.rows:
             if row >= len(out):  # a verify's later rows: the null model samples one token
                 continue
-            bits = np.unpackbits(bitmask[row].view(np.uint8), bitorder="little")
-            if not bits[out[row]]:
-                out[row] = int(np.flatnonzero(bits)[0])
+            token = out[row]
+            mask = words[row]
+            if token >> 5 < len(mask) and (int(mask[token >> 5]) >> (token & 31)) & 1:
+                continue
+            nonzero = np.flatnonzero(mask)
+            after = nonzero[nonzero >= token >> 5]
+            w = int(after[0] if len(after) else nonzero[0])
+            word = int(mask[w])
+            out[row] = 32 * w + (word & -word).bit_length() - 1
         return out
-
-
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
-
-def unpack_bits(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, ceil(V/32)] int32 words -> [rows, V] bool, bit j of word w is token 32w + j."""
-    bits = (bitmask.unsqueeze(-1) >> _SHIFTS) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 class Grammars:
