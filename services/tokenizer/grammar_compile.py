@@ -33,6 +33,7 @@ import llguidance.hf
 import llguidance.torch
 
 from stoker.common.sampling_params import StructuredOutput
+from stoker.common.tool_calls import detect_format, tool_grammar
 
 # Strict JSON: llguidance names the keywords it can't enforce ("Unimplemented keys") as errors,
 # which become 400s naming them, never a silently relaxed schema.
@@ -93,8 +94,6 @@ def grammar_text(
         except Exception as e:
             raise GrammarError(f"the GBNF grammar could not be read: {e}") from None
     if kind == "tool_calls":
-        from stoker.common.tool_calls import detect_format, tool_grammar
-
         request = json.loads(spec)
         fmt = detect_format(None, request["format"])
         lark = tool_grammar(
@@ -143,9 +142,13 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
     def special_token_id(self, text: str) -> int | None:
-        """A marker's id where it is one special (added) token, for `<[id]>` in a grammar."""
-        vocab = self._hf.get_added_vocab() if hasattr(self._hf, "get_added_vocab") else {}
-        return vocab.get(text)
+        """A marker's id where it is one token llguidance treats as special (every added token,
+        Qwen's `<tool_call>` included), for `<[id]>` in a grammar: such a token never matches
+        the marker's text spelled in a grammar literal."""
+        ids = self._hf.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and self.ll_tokenizer().is_special_token(ids[0]):
+            return int(ids[0])
+        return None
 
     def compile_sync(self, structured: StructuredOutput) -> Compiled:
         """The compile itself, on the calling thread: grammar text, matcher, first mask."""

@@ -12,6 +12,12 @@ import json
 from typing import Any
 
 from stoker.common.messages import ChatMessage, TokenizeRequest
+from stoker.common.tool_calls import (
+    detect_format,
+    prepare_messages,
+    template_renders_tools,
+    template_shows_any_role,
+)
 
 
 def message_dict(m: ChatMessage) -> dict[str, Any]:
@@ -36,12 +42,11 @@ def template_messages(
     uses_tools = tools or any(m.tool_calls or m.tool_call_id for m in req.messages)
     if not uses_tools:
         return messages, None
-    from stoker.common.tool_calls import detect_format, prepare_messages, template_renders_tools
-
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates: the tool one where there is one
         template = template.get("tool_use") or template.get("default")
     fmt = detect_format(template, req.tool_format or None)
     renders = template_renders_tools(template)
-    messages = prepare_messages(fmt, messages, tools, renders)
+    tool_role = template_shows_any_role(template)
+    messages = prepare_messages(fmt, messages, tools, renders, tool_role=tool_role)
     return messages, tools if renders else None
