@@ -36,7 +36,12 @@ from stoker.common.sampling_params import StructuredOutput
 from stoker.common.tool_calls import detect_format, tool_grammar
 
 # Strict JSON: llguidance names the keywords it can't enforce ("Unimplemented keys") as errors,
-# which become 400s naming them, never a silently relaxed schema.
+# which become 400s naming them, never a silently relaxed schema. The strictness is an override,
+# so a schema's own "x-guidance" options cannot turn it off; whitespace is a default it may
+# change. Whitespace between JSON tokens is bounded: unbounded, a small model can emit spaces
+# until max_tokens (benchmarks/grammar_backends.py measured the corpus with these options).
+JSON_OVERRIDES = {"lenient": False, "coerce_one_of": False}
+JSON_DEFAULTS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,16}"}
 LIMITS = llguidance.LLParserLimits(
     max_items_in_row=2000,
     initial_lexer_fuel=1_000_000,
@@ -76,9 +81,9 @@ def grammar_text(
             raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema must be an object or a boolean")
-        return matcher.grammar_from_json_schema(schema)
+        return matcher.grammar_from_json_schema(schema, JSON_DEFAULTS, JSON_OVERRIDES)
     if kind == "json_object":
-        return matcher.grammar_from_json_schema({"type": "object"})
+        return matcher.grammar_from_json_schema({"type": "object"}, JSON_DEFAULTS, JSON_OVERRIDES)
     if kind == "regex":
         return matcher.grammar_from_regex(spec)
     if kind == "choice":
