@@ -83,6 +83,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     add_flags(parser, ApiConfig, skip=_API_OWN)
     add_flags(parser, LauncherConfig)
     add_flags(parser, SchedulerServiceConfig, only={"no_overlap"})
+    add_flags(parser, TokenizerConfig, only={"grammar_compile_timeout"})
     add_flags(parser, EngineConfig)
     add_log_format_arg(parser)
     add_flags(parser, FleetConfig)
