@@ -100,6 +100,16 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     top_logprobs: list[float]
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """One prompt chunk's prompt logprobs for one request (SamplingParams.prompt_logprobs):
+    entries[i] is prompt token first + i given the tokens before it. Token 0 has none, so
+    first >= 1."""
+
+    req_id: str
+    first: int
+    entries: list[TokenLogprobs]
+
+
 class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
     """Sampled tokens for the requests that reached the end of their known tokens this step."""
 
@@ -125,6 +135,8 @@ class StepResult(msgspec.Struct, array_like=True, gc=False, tag="result"):
     # for the scheduler to propose as drafts (docs/structured-outputs.md).
     forced_req_ids: list[str] = []
     forced_token_ids: list[TokenIds] = []
+    # Prompt logprobs of the prompt chunks computed this step, for the requests that asked.
+    prompt_logprobs: list[PromptLogprobs] | None = None
 
 
 # --- api <-> tokenizer <-> scheduler ---------------------------------------------------------
@@ -190,6 +202,9 @@ class RequestTokens(msgspec.Struct, array_like=True, gc=False):
     num_accepted_tokens: int = 0
     grammar_mask_s: float = 0.0  # on the last message: its share of the worker's mask time
     num_forced_tokens: int = 0  # on the last message: fast-forwarded tokens accepted
+    # On the first message, when the request asked (SamplingParams.prompt_logprobs): one entry
+    # per prompt token, None for the first (vLLM's shape).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class TokenBatch(msgspec.Struct, array_like=True, gc=False, tag="tokens"):
@@ -225,6 +240,7 @@ class TextDelta(msgspec.Struct, array_like=True, gc=False):
     grammar_cache_hit: bool = False
     grammar_mask_s: float = 0.0  # on the last delta (RequestTokens')
     num_forced_tokens: int = 0  # on the last delta (RequestTokens')
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first delta (RequestTokens')
 
 
 class TextBatch(msgspec.Struct, array_like=True, gc=False, tag="text"):

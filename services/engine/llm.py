@@ -60,6 +60,8 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    # SamplingParams.prompt_logprobs, as vLLM's: one entry per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     # The first completion's fields, for the common n=1 case.
     @property
@@ -84,6 +86,7 @@ class _Pending:
     output: CompletionOutput
     detok: IncrementalDetokenizer
     params: SamplingParams
+    parent: RequestOutput
 
 
 class LLM:
@@ -182,7 +185,7 @@ class LLM:
                 )
                 parent.outputs.append(out)
                 detok = IncrementalDetokenizer(self.tokenizer, ids, child, self.pieces)
-                pending[req_id] = _Pending(out, detok, child)
+                pending[req_id] = _Pending(out, detok, child, parent)
                 self.engine.add_request(req_id, ids, child)
 
         show = use_tqdm if use_tqdm is not None else len(pending) >= 16
@@ -198,6 +201,8 @@ class LLM:
                     out.token_ids.extend(update.new_token_ids)
                     if update.logprobs is not None and out.logprobs is not None:
                         out.logprobs.extend(lp for lp in update.logprobs if lp is not None)
+                    if update.prompt_logprobs is not None:  # each of n choices has the same
+                        item.parent.prompt_logprobs = update.prompt_logprobs
                     engine_finish = update.finish_reason.value if update.finish_reason else None
                     new_ids = text_token_ids(
                         update.new_token_ids,

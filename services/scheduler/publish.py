@@ -54,8 +54,9 @@ def token_batches(
             continue
         reason = update.finish_reason.value if update.finish_reason else None
         item = RequestTokens(update.req_id, pack_ids(tokens), reason, update.logprobs)
-        if not owner.announced:
+        if not owner.announced:  # (so a first update, the one with prompt logprobs, is an item)
             owner.announced = True
+            item.prompt_logprobs = update.prompt_logprobs
             item.num_prompt_tokens = request.prompt_len
             item.num_cached_tokens = max(request.num_cached_tokens, 0)
             if request.first_scheduled_time is not None:

@@ -165,3 +165,5 @@ class RequestUpdate(msgspec.Struct, gc=False):
     request: Request
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
+    # On a request's first update, when it asked for prompt logprobs: one per prompt token.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

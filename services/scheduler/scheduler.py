@@ -25,9 +25,12 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import msgspec
+
 from stoker.common.config import fit_to_pool
 from stoker.common.messages import (
     NewRequestData,
+    PromptLogprobs,
     RunningRequestData,
     StepPlan,
     StepResult,
@@ -82,6 +85,8 @@ class Scheduler:
         self.prefix_queries = 0  # tokens looked up in the prefix cache at admission
         self.prefix_hits = 0  # of those, tokens found
         self._watermark_blocks = int(config.watermark * block_manager.num_blocks)
+        # Prompt logprobs gathered chunk by chunk, until the request's first update carries them.
+        self._prompt_logprobs: dict[str, tuple[Request, list[TokenLogprobs | None]]] = {}
 
     # -- admission and abort ----------------------------------------------------------------
 
@@ -92,6 +97,8 @@ class Scheduler:
         request.max_len = min(request.prompt_len + request.max_tokens, self.config.max_model_len)
         self.requests[request.req_id] = request
         self.waiting.append(request)
+        if request.params.prompt_logprobs is not None:
+            self._prompt_logprobs[request.req_id] = (request, [None])  # token 0 has no entry
 
     def abort(self, req_id: str) -> bool:
         """Drop a request wherever it is. Unknown or finished ids are ignored."""
@@ -233,6 +240,8 @@ class Scheduler:
         ):
             request = self.waiting[0]
             prefix = request.token_ids[:-1]  # always compute at least the last token
+            if request.req_id in self._prompt_logprobs:
+                prefix = []  # cached blocks have no logits: it computes its whole prompt
             hit = self.blocks.allocate_prefix(request.req_id, prefix)
             if hit is None:
                 break  # its prompt's next block is being computed in this step: share it next
@@ -423,6 +432,8 @@ class Scheduler:
         self._forced.discard(request.req_id)
         self.blocks.free(request.req_id)
         del self.requests[request.req_id]
+        if not request.num_output_tokens:  # else its last update carries its prompt logprobs
+            self._prompt_logprobs.pop(request.req_id, None)
         if not request.needs_full_send:  # the worker holds state for it
             self._finished_ids.append(request.req_id)
 
@@ -433,11 +444,15 @@ class Scheduler:
         token_ids = unpack_ids(result.token_ids)  # one C-level conversion per step
         if result.grammar_mask_s:
             self._share_grammar_time(result)
+        if result.prompt_logprobs:
+            self._gather_prompt_logprobs(result.prompt_logprobs)
         if self.fast_paths and result.counts is None and result.logprobs is None:
-            updates = steady.update_one_token_each(self, plan, result.req_ids, token_ids)
+            steady_updates = steady.update_one_token_each(self, plan, result.req_ids, token_ids)
             if self._forced or result.forced_req_ids:
                 self._take_forced(result)
-            return updates
+            if self._prompt_logprobs:
+                self._attach_prompt_logprobs(steady_updates)
+            return steady_updates
         # Cache first: a request that finishes below frees its blocks, and the blocks it filled
         # in its last step must already be in the prefix cache by then.
         self._cache_computed_blocks(plan)
@@ -460,7 +475,37 @@ class Scheduler:
                 updates.append(update)
         if self._forced or result.forced_req_ids:
             self._take_forced(result)
+        if self._prompt_logprobs:
+            self._attach_prompt_logprobs(updates)
         return updates
+
+    def _gather_prompt_logprobs(self, chunks: list[PromptLogprobs]) -> None:
+        """Add a step's prompt-logprob entries to their requests' lists. A prompt recomputed
+        after preemption sends its entries again from the start: they replace the old ones."""
+        for chunk in chunks:
+            pending = self._prompt_logprobs.get(chunk.req_id)
+            if pending is None or pending[0].status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran, as its tokens
+            entries = pending[1]
+            del entries[chunk.first :]
+            entries.extend(chunk.entries)
+
+    def _attach_prompt_logprobs(self, updates: list[RequestUpdate]) -> None:
+        """A request's first update carries its prompt logprobs (complete by then: the chunk
+        that samples the first token is the prompt's last). It asks no more, so a recompute
+        after preemption computes no entries and may take prefix-cache hits."""
+        ready = {
+            req_id
+            for req_id, (request, _) in self._prompt_logprobs.items()
+            if request.num_output_tokens
+        }
+        if not ready:
+            return
+        for update in updates:
+            if update.req_id in ready:
+                request, entries = self._prompt_logprobs.pop(update.req_id)
+                update.prompt_logprobs = entries
+                request.params = msgspec.structs.replace(request.params, prompt_logprobs=None)
 
     def _share_grammar_time(self, result: StepResult) -> None:
         """The step's grammar-mask time, split evenly over its structured requests (the worker

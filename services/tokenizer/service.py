@@ -253,6 +253,7 @@ class TokenizerService:
             grammar_cache_hit=compiled is not None and compiled.cache_hit,
             grammar_mask_s=item.grammar_mask_s,
             num_forced_tokens=item.num_forced_tokens,
+            prompt_logprobs=item.prompt_logprobs,
         )
 
     # -- IO shell -------------------------------------------------------------------------------

@@ -15,7 +15,14 @@ import time
 import torch
 
 from stoker.common.config import EngineConfig
-from stoker.common.messages import StepPlan, StepResult, TokenLogprobs, pack_ids, unpack_ids
+from stoker.common.messages import (
+    PromptLogprobs,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+    pack_ids,
+    unpack_ids,
+)
 from stoker.common.model_config import ModelConfig, resolve_max_model_len
 from stoker.common.profiling import span
 from stoker.kernels import cpu_ops
@@ -36,6 +43,11 @@ from stoker.services.worker.models.layers import CausalLM
 from stoker.services.worker.parallel.comm import Communicator
 from stoker.services.worker.parallel.shard import local_kv_heads
 from stoker.services.worker.plain_decode import execute_plain_decode, steady_states
+from stoker.services.worker.prompt_logprobs import (
+    null_prompt_logprobs,
+    num_prompt_rows,
+    prompt_logprobs,
+)
 from stoker.services.worker.proposer import Proposer
 from stoker.services.worker.request_state import RequestState, Scheduled
 from stoker.services.worker.sampler import Sampler
@@ -243,9 +255,17 @@ class ModelRunner:
         self._propose_drafts(scheduled)
         chunks = [self._chunk(item) for item in scheduled]
         sampled = [item for item, c in zip(scheduled, chunks) if c.num_sampled]
+        # Prompt chunks whose requests asked for prompt logprobs: (request, start, rows).
+        prompt_wanted = [
+            (item.state, c.start, c.num_prompt_rows)
+            for item, c in zip(scheduled, chunks)
+            if c.num_prompt_rows
+        ]
         # Decode-only steps go through the padded CUDA-graph path (services/worker/cuda_graphs.py);
         # prefill, mixed and speculative verify steps run eagerly.
-        graphs = self.graphs if self.graphs is not None and self.graphs.accepts(chunks) else None
+        graphs = None
+        if self.graphs is not None and not prompt_wanted and self.graphs.accepts(chunks):
+            graphs = self.graphs
         if graphs is not None:
             graphs.prepare(chunks)
             ranges = sample_ranges(chunks)
@@ -262,7 +282,7 @@ class ModelRunner:
             ranges = inputs.sample_ranges
         masks = self._begin_masks(sampled, ranges, chunks)
         t1 = time.perf_counter()
-        logits = greedy_ids = None
+        logits = greedy_ids = prompt_hidden = None
         if self.model is not None:
             # Eager forwards tap the layers the proposer reads (graph-captured ones do not).
             proposer = self.proposer if inputs is not None else None
@@ -274,9 +294,8 @@ class ModelRunner:
                 if graphs is not None and len(sampled) < len(chunks):
                     graph_rows = [i for i, c in enumerate(chunks) if c.num_sampled]
                 argmax_only = all(i.state.sampling.argmax_only for i in sampled)
-                logits, greedy_ids = self.forward(
-                    graphs, inputs, graph_rows, len(sampled), argmax_only
-                )
+                hidden, prompt_hidden = self.hidden_states(graphs, inputs, graph_rows)
+                logits, greedy_ids = self.head(hidden, len(sampled), argmax_only)
                 if proposer is not None:
                     self.model.tap_layers = ()
                     chunk_ids = (i.state.req_id for i in scheduled)
@@ -289,6 +308,8 @@ class ModelRunner:
                 outputs = null_outputs(sampled, self.model_cfg.vocab_size, masks, ranges, chunks)
             elif greedy_ids is not None:
                 outputs = greedy_outputs(sampled, ranges, chunks, greedy_ids)
+            elif not sampled:  # only prompt chunks that do not end their prompts: no logits
+                outputs = []
             else:
                 assert logits is not None
                 if masks is not None:
@@ -302,6 +323,7 @@ class ModelRunner:
                     self.model_cfg.vocab_size,
                     self.device,
                 )
+            prompt_lps = self._prompt_logprobs(prompt_wanted, prompt_hidden)
         for item in scheduled:
             if item.k:
                 continue  # advanced below by what was accepted
@@ -352,6 +374,7 @@ class ModelRunner:
             forced_token_ids=forced_tokens,
             grammar_mask_s=0.0 if masks is None else masks.fill_s,
             grammar_wait_s=0.0 if masks is None else masks.wait_s,
+            prompt_logprobs=prompt_lps,
         )
 
     def _begin_masks(
@@ -381,20 +404,41 @@ class ModelRunner:
         rows, None), or (None, their tokens) where every sampled row wants only the argmax
         (argmax_only) and the greedy head found it, or (None, None) where none sample.
         graph_rows: the graph batch's rows that sample, where not all of them do."""
+        hidden, _ = self.hidden_states(graphs, inputs, graph_rows)
+        return self.head(hidden, num_sampled, argmax_only)
+
+    def hidden_states(
+        self,
+        graphs: DecodeGraphs | None,
+        inputs: StepInputs | None,
+        graph_rows: list[int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model over the prepared step: the final hidden states of the rows that sample,
+        and of the prompt-logprob rows (eager steps with inputs.prompt_rows; else None)."""
         assert self.model is not None
         # Every chunk's K/V must be stored, even in a step where no chunk samples.
         if graphs is not None:
             hidden = graphs.run()
             if graph_rows is not None:
                 hidden = hidden[to_device(graph_rows, torch.int64, self.device)]
-        else:
-            assert inputs is not None
-            last_meta = inputs.last_layer_meta
-            hidden = self.model(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, last_meta
-            )
-            rows = inputs.sample_rows if last_meta is None else inputs.last_layer_sample_rows
-            hidden = hidden[rows]
+            return hidden, None
+        assert inputs is not None
+        last_meta = inputs.last_layer_meta
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, last_meta
+        )
+        prompt = None
+        if inputs.prompt_rows is not None:
+            trimmed = last_meta is not None
+            prompt = hidden[inputs.last_layer_prompt_rows if trimmed else inputs.prompt_rows]
+        rows = inputs.sample_rows if last_meta is None else inputs.last_layer_sample_rows
+        return hidden[rows], prompt
+
+    def head(
+        self, hidden: torch.Tensor, num_sampled: int, argmax_only: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The sampled rows' logits, or their tokens from the greedy head (see `forward`)."""
+        assert self.model is not None
         if not num_sampled:
             return None, None
         if self.greedy_head is not None and argmax_only:
@@ -402,6 +446,19 @@ class ModelRunner:
             if tokens is not None:
                 return None, tokens
         return self.model.compute_logits(hidden), None
+
+    def _prompt_logprobs(
+        self,
+        wanted: list[tuple[RequestState, int, int]],
+        hidden: torch.Tensor | None,
+    ) -> list[PromptLogprobs] | None:
+        """The step's prompt-logprob entries (services/worker/prompt_logprobs.py), per chunk."""
+        if not wanted:
+            return None
+        if self.model is None:
+            return null_prompt_logprobs(self.model_cfg.vocab_size, wanted)
+        assert hidden is not None
+        return prompt_logprobs(self.model.compute_logits, hidden, wanted)
 
     def _propose_drafts(self, scheduled: list[Scheduled]) -> None:
         wanted = [item for item in scheduled if item.k and not item.drafts]
@@ -433,4 +490,7 @@ class ModelRunner:
             return Chunk(tokens, start, state.block_ids, item.k + 1, state.table_row)
         end = start + item.num_tokens
         sample = 1 if end == len(state.token_ids) else 0
-        return Chunk(state.token_ids[start:end], start, state.block_ids, sample, state.table_row)
+        chunk = Chunk(state.token_ids[start:end], start, state.block_ids, sample, state.table_row)
+        if state.params.prompt_logprobs is not None:
+            chunk.num_prompt_rows = num_prompt_rows(state, start, end)
+        return chunk

@@ -2,7 +2,7 @@
 
 Shared by the target model and the draft model. Short chunks go first, on the decode path (one
 row per position); longer chunks follow as prefill spans. Each chunk says how many of its last
-positions need logits.
+positions need logits, and how many of its first positions need them for prompt logprobs.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ class Chunk:
     block_ids: list[int]  # the request's block table (covers start + len(token_ids))
     num_sampled: int  # logits wanted for this many trailing positions (0, 1, or k + 1 to verify)
     table_row: int = -1  # the request's row in a BlockTable, when the caller keeps one
+    # Logits wanted for this many leading positions too: a prompt chunk of a request that asked
+    # for prompt logprobs (services/worker/prompt_logprobs.py).
+    num_prompt_rows: int = 0
 
 
 @dataclasses.dataclass
@@ -38,6 +41,10 @@ class StepInputs:
     # metadata (AttentionMetadata.out_rows), and the sampled rows among that layer's outputs.
     last_layer_meta: AttentionMetadata | None = None
     last_layer_sample_rows: torch.Tensor | None = None
+    # The chunks' prompt-logprob rows (Chunk.num_prompt_rows), in chunk order; None when no
+    # chunk has any. Rows of the hidden states, and of the trimmed last layer's outputs.
+    prompt_rows: torch.Tensor | None = None
+    last_layer_prompt_rows: torch.Tensor | None = None
 
 
 # Chunks up to this many tokens (decodes, speculative verifies of k + 1 positions, short prompt
@@ -138,10 +145,14 @@ def build_step_inputs(
         long_ends.append(len(input_ids))
 
     sample_rows: list[int] = []
+    prompt_rows: list[int] = []
     next_short, next_long = iter(short_ends), iter(long_ends)
     for chunk, s in zip(chunks, is_short):
         end = next(next_short) if s else next(next_long)
         sample_rows.extend(range(end - chunk.num_sampled, end))
+        if chunk.num_prompt_rows:
+            first = end - len(chunk.token_ids)
+            prompt_rows.extend(range(first, first + chunk.num_prompt_rows))
     if long_chunks:
         positions = np.concatenate([positions, np.asarray(long_positions, dtype=np.int64)])
         slots = np.concatenate([slots, np.asarray(long_slots, dtype=np.int64)])
@@ -168,6 +179,8 @@ def build_step_inputs(
         sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
         sample_ranges=sample_ranges(chunks),
     )
+    if prompt_rows:
+        inputs.prompt_rows = torch.tensor(prompt_rows, dtype=torch.int64, device=device)
     if trim_last_layer and meta.prefill_tables is not None:
         _add_last_layer_rows(inputs, long_chunks, num_decode)
     return inputs
@@ -205,13 +218,15 @@ def build_decode_inputs(
 def _add_last_layer_rows(inputs: StepInputs, long_chunks: list[Chunk], num_decode: int) -> None:
     """The last layer keeps every decode row and each prompt chunk's sampled tail. Prompt rows
     are most of a prefill step's rows and rarely sample, so its attention output, o_proj and
-    MLP then run on a few rows instead of all of them."""
+    MLP then run on a few rows instead of all of them. A chunk with prompt-logprob rows keeps
+    all its rows (the kept rows of a span are a suffix of it, as the kernels read them)."""
     meta = inputs.meta
     kept = [0]
     out_rows = list(range(num_decode))
     for span, chunk in zip(meta.prefills, long_chunks):
-        out_rows.extend(range(span.end - chunk.num_sampled, span.end))
-        kept.append(kept[-1] + chunk.num_sampled)
+        keep = len(chunk.token_ids) if chunk.num_prompt_rows else chunk.num_sampled
+        out_rows.extend(range(span.end - keep, span.end))
+        kept.append(kept[-1] + keep)
     inputs.last_layer_meta = dataclasses.replace(
         meta,
         prefill_bounds=torch.tensor(kept, dtype=torch.int64),
@@ -221,6 +236,10 @@ def _add_last_layer_rows(inputs: StepInputs, long_chunks: list[Chunk], num_decod
     inputs.last_layer_sample_rows = torch.searchsorted(
         inputs.last_layer_meta.out_rows, inputs.sample_rows
     )
+    if inputs.prompt_rows is not None:
+        inputs.last_layer_prompt_rows = torch.searchsorted(
+            inputs.last_layer_meta.out_rows, inputs.prompt_rows
+        )
 
 
 def sample_ranges(chunks: list[Chunk]) -> list[tuple[int, int]]:
