@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stoker.common.tool_calls.blocks import FAIL, MORE, Cache, skip_ws
+from stoker.common.tool_calls.blocks import MORE, Cache, Miss, skip_ws
 from stoker.common.tool_calls.types import ContentDelta, Delta, ToolCallDelta, call_id
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ class StreamParser:
         if found is MORE and not final:
             return None
         self._cache.clear()
-        if found is MORE or found is FAIL:
+        if isinstance(found, Miss):  # MORE at the end, or FAIL
             end = at + max(marker_len, 1)  # the marker (or the bare "{") is content
             _content(out, buf[held:end])
             self._state = _CONTENT
