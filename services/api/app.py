@@ -31,7 +31,9 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from stoker.common.messages import ProfileControl, TextDelta
-from stoker.services.api import openai_schema
+from stoker.common.tokenizer_files import chat_template_text
+from stoker.common.tool_calls import detect_format
+from stoker.services.api import generation, openai_schema
 from stoker.services.api.config import ApiConfig
 from stoker.services.api.dashboard_routes import DashboardPage
 from stoker.services.api.delta_queue import DeltaQueue
@@ -43,6 +45,7 @@ from stoker.services.api.responses import Accumulator, Formatter
 from stoker.services.api.router_routes import version
 from stoker.services.api.tokenize_routes import TokenIdStrings, TokenizerEndpoints
 from stoker.services.api.tokens import TokenStrings
+from stoker.services.api.tool_output import ToolOutput
 
 log = logging.getLogger("stoker.api")
 
@@ -143,6 +146,10 @@ class Api:
         self._openapi = msgspec.json.encode(
             openapi_document(config.limits, secured=config.api_key is not None)
         )
+        # Once, from the template text: the tokenizers detect the same (TokenizeRequest names it).
+        self.tool_format = detect_format(
+            chat_template_text(config.model_path), config.tool_call_format
+        )
         self.tokens = TokenizerEndpoints(
             config.model_path,
             config.served_model_name,
@@ -182,10 +189,10 @@ class Api:
         limits = self.config.limits
         if kind == "completion":
             req = openai_schema.decode(body, openai_schema.CompletionRequest)
-            gen = openai_schema.completion_generation(req, limits)
+            gen = generation.completion_generation(req, limits)
         else:
             req = openai_schema.decode(body, openai_schema.ChatRequest)
-            gen = openai_schema.chat_generation(req, limits)
+            gen = generation.chat_generation(req, limits, self.tool_format)
         strings: Any = TokenIdStrings() if req.return_tokens_as_token_ids else self.strings
         name = self.config.served_model_name
         if gen.model is not None and gen.model != name:
@@ -199,7 +206,10 @@ class Api:
         subs = gen.sub_requests(req_id, time.time())
         ids = [s.req_id for s in subs]
         acc = Accumulator(req_id, gen.n, whole=not gen.stream)
-        fmt = Formatter(kind, req_id, name, strings, gen.params.logprobs is not None)
+        tools = None
+        if gen.tools.parse:
+            tools = ToolOutput(self.tool_format, req_id, gen.tools.parallel, gen.tools.legacy)
+        fmt = Formatter(kind, req_id, name, strings, gen.params.logprobs is not None, tools)
         queue = await self.client.submit(subs)
         timer = self._deadline(ids)
         streaming = False
@@ -262,7 +272,7 @@ class Api:
         queue: DeltaQueue,
         acc: Accumulator,
         fmt: Formatter,
-        gen: openai_schema.Generation,
+        gen: generation.Generation,
     ) -> AsyncIterator[bytes]:
         if fmt.kind == "chat":
             for i in range(gen.n):

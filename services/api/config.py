@@ -9,6 +9,7 @@ import os
 from stoker.common import model_registry
 from stoker.common.config import MAX_MODEL_LEN, PROFILE_DIR, STEP_TIMEOUT_S
 from stoker.common.config_args import flag
+from stoker.common.tool_calls import FORMAT_NAMES
 from stoker.services.api.openai_schema import DEFAULT_LIMITS, Limits
 from stoker.services.api.request_log import DEFAULT_MAX_BYTES, DEFAULT_MAX_FILES
 
@@ -74,6 +75,12 @@ class ApiConfig:
         DEFAULT_MAX_FILES,
         f"files kept in DIR; the oldest is deleted (default {DEFAULT_MAX_FILES})",
         group=_REQUEST_LOG,
+    )
+    # None: detected from the chat template (common/tool_calls/detect.py).
+    tool_call_format: str | None = flag(
+        None,
+        "the tool-call format the model writes (default: detected from its chat template)",
+        choices=FORMAT_NAMES,
     )
     profile_dir: str | None = PROFILE_DIR.field()  # /start_profile and /stop_profile are on
     limits: Limits = dataclasses.field(init=False)

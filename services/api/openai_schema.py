@@ -1,52 +1,28 @@
-"""OpenAI request bodies, decoded and type-checked by msgspec, and turned into internal requests.
+"""OpenAI request bodies, decoded and type-checked by msgspec.
 
 Unknown parameters are rejected (forbid_unknown_fields) so a typo is a 400 naming the parameter
-instead of a silently ignored setting. Fields beyond OpenAI's (top_k, min_p, ...) follow vLLM.
+instead of a silently ignored setting. Every field the official `openai` client can send is
+either honoured, accepted as a no-op (ACCEPTED_NO_OPS says why), or a 400 saying that stoker
+cannot do what it asks; null is accepted wherever the client may send it. Fields beyond OpenAI's
+(top_k, min_p, structured_outputs, ...) follow vLLM. Tools: chat_tools.py; structured outputs:
+structured_request.py; messages: chat_messages.py; the request as the server runs it:
+generation.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from typing import Annotated, Any, Literal
 
 import msgspec
 
-from stoker.common.messages import ChatMessage, TokenizeRequest, pack_ids
 from stoker.common.sampling_params import SamplingParams
-
-
-class ApiError(Exception):
-    """An error the client caused (or a server error), rendered as OpenAI's error body."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.message, self.status, self.param, self.code, self.type = (
-            message,
-            status,
-            param,
-            code,
-            type,
-        )
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
+from stoker.services.api.chat_messages import ChatMessageIn, ContentPart
+from stoker.services.api.chat_messages import chat_messages as chat_messages  # tokenize_routes
+from stoker.services.api.chat_tools import FunctionCallChoice, FunctionDef, Tool, ToolChoice
+from stoker.services.api.errors import ApiError
+from stoker.services.api.structured_request import ResponseFormat, StructuredOutputsIn
 
 # Wire types: every integer is checked against the type it travels as (msgpack int64, token
 # ids int32) while decoding, so nothing out of range reaches an allocation or an encoder.
@@ -71,14 +47,55 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # no-op: stoker pads no stream events
 
 
-class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+# Fields accepted and ignored, and why: exposed for the docs and checked by the tests.
+ACCEPTED_NO_OPS: dict[str, str] = {
+    "user": "an end-user id for OpenAI's abuse monitoring; stoker monitors nothing",
+    "metadata": "tags for stored completions; stoker stores none",
+    "store": "stores the completion for OpenAI's evals; stoker stores none",
+    "service_tier": "OpenAI's billing tier; one tier here",
+    "prompt_cache_key": "OpenAI's cache routing hint; stoker's prefix cache matches on tokens",
+    "prompt_cache_options": "OpenAI's cache breakpoints; stoker caches every full block",
+    "prompt_cache_retention": "OpenAI's cache lifetime; stoker evicts least recently used",
+    "safety_identifier": "an end-user id for OpenAI's abuse monitoring; stoker monitors nothing",
+    "parallel_tool_calls": "without tools there are no calls to limit (with tools: honoured)",
+    "verbosity": "a knob of OpenAI's reasoning models; stoker passes nothing to the model",
+    "reasoning_effort": "a knob of reasoning models; for a template with a thinking switch use "
+    "chat_template_kwargs (e.g. enable_thinking)",
+    "prediction": "predicted output, accepted and unused (it could feed speculative decoding "
+    "as draft tokens, as n-gram proposals do)",
+    "modalities": '["text"] is what every answer is; "audio" is a 400',
+    "stream_options.include_obfuscation": "stoker pads no stream events",
+    "response_format.json_schema.strict": "the schema is enforced exactly either way",
+    "response_format.json_schema.description": "the model sees only what the prompt says",
+    "tools[].function.strict": "a forced call follows the schema exactly either way",
+    "structured_outputs.disable_fallback": "one grammar backend (llguidance), nothing to fall to",
+    "messages[].refusal": "an earlier refusal, kept out of the prompt",
+    "best_of": "accepted when it equals n (or is null); more is a 400",
+}
+
+
+class RemovedGuidedFields(msgspec.Struct, kw_only=True):
+    """vLLM's removed guided_* fields: null is accepted, anything else a 400 naming the
+    replacement (structured_request.REMOVED_GUIDED_FIELDS)."""
+
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_json_object: Any = None
+    guided_whitespace_pattern: Any = None
+    guided_decoding_backend: Any = None
+
+
+class BaseRequest(RemovedGuidedFields, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
-    n: Int64 = 1
-    stream: bool = False
+    n: Int64 | None = None  # null: 1
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     temperature: Float | None = None
     top_p: Float | None = None
@@ -90,39 +107,62 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: Int64 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None  # null: true
     logit_bias: dict[str, Float] | None = None  # OpenAI: token id (as a string) -> bias
-    user: str | None = None
+    user: str | None = None  # no-op (ACCEPTED_NO_OPS)
     # vLLM's: logprobs name tokens "token_id:N", so a client (stoker eval) gets exact ids.
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None
+    # The output's constraint (structured_request.py): OpenAI's spelling, or vLLM's.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsIn | None = None
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(BaseRequest):
     prompt: Any  # str | list[int] | [str] | [list[int]]: msgspec unions allow one array type
     max_tokens: Int64 | None = 16
     logprobs: Int64 | None = None
-    echo: bool = False
+    echo: bool | None = None  # true: 400, not supported yet
+    best_of: Int64 | None = None  # n, or null: no-op; more: 400 (no server-side ranking)
+    suffix: str | None = None  # a non-empty suffix: 400 (no insertion)
 
 
-class ContentPart(msgspec.Struct):
-    type: str
-    text: str | None = None
+class Prediction(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["content"]
+    content: str | list[ContentPart]
 
 
-class ChatMessageIn(msgspec.Struct):  # lenient: clients add name, tool_call_id, ...
-    role: str
-    content: str | list[ContentPart] | None = None
-
-
-class ChatRequest(_Common):
+class ChatRequest(BaseRequest):
     messages: list[ChatMessageIn]
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: Int64 | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool | None = None  # null: true (vLLM's)
+    continue_final_message: bool | None = None  # vLLM's: extend the last assistant message
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[FunctionDef] | None = None  # deprecated: mapped onto tools
+    function_call: FunctionCallChoice | None = None  # deprecated: mapped onto tool_choice
+    # No-ops (ACCEPTED_NO_OPS).
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    reasoning_effort: str | None = None
+    prediction: Prediction | None = None
+    modalities: list[Literal["text", "audio"]] | None = None  # "audio": 400
+    # Asks for what stoker cannot do: a 400 when set.
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
 
 
 # /tokenize and /detokenize, in vLLM's shapes. A body with `messages` is a chat request.
@@ -146,48 +186,6 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     tokens: list[TokenId]
 
 
-@dataclasses.dataclass
-class Generation:
-    """One API call, as the server runs it: n sub-requests sharing a prompt."""
-
-    kind: Literal["completion", "chat"]
-    model: str | None
-    params: SamplingParams
-    n: int
-    stream: bool
-    include_usage: bool
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-
-    def sub_requests(self, req_id: str, arrival_time: float) -> list[TokenizeRequest]:
-        out = []
-        for i in range(self.n):
-            params = self.params
-            if self.params.seed is not None and self.n > 1:
-                params = msgspec.structs.replace(params, seed=_wrap_int64(self.params.seed + i))
-            out.append(
-                TokenizeRequest(
-                    f"{req_id}-{i}",
-                    params,
-                    prompt=self.prompt,
-                    prompt_token_ids=(
-                        None if self.prompt_token_ids is None else pack_ids(self.prompt_token_ids)
-                    ),
-                    messages=self.messages,
-                    add_generation_prompt=self.add_generation_prompt,
-                    arrival_time=arrival_time,
-                )
-            )
-        return out
-
-
-def _wrap_int64(x: int) -> int:
-    """seed + i stays an int64 (the wire type) for a seed near the top of the range."""
-    return (x + 2**63) % 2**64 - 2**63
-
-
 _PATH_RE = re.compile(r"at `\$\.(\w+)")  # "... - at `$.messages[0]`": the top-level param
 _FIELD_RE = re.compile(r"field `(\w+)`")  # "Object contains unknown field `foo`"
 
@@ -208,170 +206,3 @@ def decode(body: bytes, cls: type[msgspec.Struct]) -> Any:
         raise ApiError(f"We could not parse the JSON body of your request: {e}") from None
     except RecursionError:  # `prompt` is Any: deeply nested arrays recurse in the decoder
         raise ApiError("the JSON body is nested too deeply") from None
-
-
-def _check_limits(req: _Common, limits: Limits) -> list[str]:
-    """Bound every size the client chooses; return the stop strings as a list."""
-    if req.n < 1:
-        raise ApiError(f"n must be at least 1, got {req.n}", param="n")
-    if req.n > limits.max_n:
-        raise ApiError(f"n must be at most {limits.max_n}, got {req.n}", param="n")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > limits.max_stop:
-        raise ApiError(f"at most {limits.max_stop} stop strings are allowed", param="stop")
-    if any(len(s) > limits.max_stop_chars for s in stop):
-        raise ApiError(
-            f"stop strings must be at most {limits.max_stop_chars} characters", param="stop"
-        )
-    if req.stop_token_ids and len(req.stop_token_ids) > limits.max_stop_token_ids:
-        raise ApiError(
-            f"at most {limits.max_stop_token_ids} stop_token_ids are allowed",
-            param="stop_token_ids",
-        )
-    if req.logit_bias and len(req.logit_bias) > limits.max_logit_bias:
-        raise ApiError(
-            f"logit_bias may have at most {limits.max_logit_bias} entries", param="logit_bias"
-        )
-    return stop
-
-
-def _sampling_params(
-    req: _Common, max_tokens: int | None, logprobs: int | None, limits: Limits
-) -> SamplingParams:
-    if req.stream_options is not None and not req.stream:
-        raise ApiError("stream_options is only allowed when stream is true", param="stream_options")
-    stop = _check_limits(req, limits)
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    if max_tokens is not None and max_tokens >= 2**31:  # no context is this long
-        raise ApiError(f"max_tokens must be below 2**31, got {max_tokens}", param="max_tokens")
-    given = {
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "min_p": req.min_p,
-        "presence_penalty": req.presence_penalty,
-        "frequency_penalty": req.frequency_penalty,
-        "repetition_penalty": req.repetition_penalty,
-    }
-    params = SamplingParams(
-        n=1,  # the api fans out n sub-requests itself
-        max_tokens=max_tokens,
-        seed=req.seed,
-        stop=stop,
-        stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
-        skip_special_tokens=req.skip_special_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        logit_bias=_logit_bias(req.logit_bias),
-        **{k: v for k, v in given.items() if v is not None},
-    )
-    try:
-        params.validate()
-    except ValueError as e:
-        first = str(e).split(" ", 1)[0]
-        raise ApiError(str(e), param=first if hasattr(req, first) else None) from None
-    return params
-
-
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    if not bias:
-        return None
-    out = {}
-    for token, value in bias.items():
-        # int() of a long digit string is quadratic; a token id has at most 10 digits.
-        key = token.strip()
-        if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= 2**31:
-            raise ApiError("logit_bias keys must be token ids", param="logit_bias")
-        if not math.isfinite(value):
-            raise ApiError("logit_bias values must be finite", param="logit_bias")
-        out[int(key)] = float(value)
-    return out
-
-
-def completion_generation(req: CompletionRequest, limits: Limits = DEFAULT_LIMITS) -> Generation:
-    if req.echo:
-        raise ApiError("echo is not supported", param="echo")
-    prompt, ids = _completion_prompt(req.prompt)
-    return Generation(
-        kind="completion",
-        model=req.model,
-        params=_sampling_params(req, req.max_tokens, req.logprobs, limits),
-        n=req.n,
-        stream=req.stream,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        prompt=prompt,
-        prompt_token_ids=ids,
-    )
-
-
-def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-
-def _completion_prompt(prompt: Any) -> tuple[str | None, list[int] | None]:
-    if isinstance(prompt, list) and len(prompt) == 1 and not _is_ids(prompt):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError("the prompt is empty", param="prompt")
-        return prompt, None
-    if _is_ids(prompt):
-        if not prompt:
-            raise ApiError("the prompt is empty", param="prompt")
-        if not all(0 <= t < 2**31 for t in prompt):  # ids travel as int32 (pack_ids)
-            raise ApiError("prompt token ids must be non-negative vocabulary ids", param="prompt")
-        return None, prompt
-    if (
-        isinstance(prompt, list)
-        and len(prompt) > 1
-        and all(isinstance(p, str) or _is_ids(p) for p in prompt)
-    ):
-        raise ApiError("only one prompt per request is supported", param="prompt")
-    raise ApiError(
-        "prompt must be a string, a list of token ids, or a list holding one of those",
-        param="prompt",
-    )
-
-
-def chat_messages(given: list[ChatMessageIn]) -> list[ChatMessage]:
-    """Messages as the chat template sees them: text parts joined, no content as ""."""
-    if not given:
-        raise ApiError("messages must not be empty", param="messages")
-    messages = []
-    for m in given:
-        if isinstance(m.content, list):
-            if any(p.type != "text" or p.text is None for p in m.content):
-                raise ApiError("only text content parts are supported", param="messages")
-            content = "".join(p.text or "" for p in m.content)
-        else:
-            content = m.content or ""
-        messages.append(ChatMessage(m.role, content))
-    return messages
-
-
-def chat_generation(req: ChatRequest, limits: Limits = DEFAULT_LIMITS) -> Generation:
-    messages = chat_messages(req.messages)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise ApiError("top_logprobs requires logprobs to be true", param="top_logprobs")
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= limits.max_top_logprobs:
-        raise ApiError(
-            f"top_logprobs must be in [0, {limits.max_top_logprobs}], got {req.top_logprobs}",
-            param="top_logprobs",
-        )
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    # max_completion_tokens supersedes max_tokens; neither: up to the context length.
-    max_tokens = (
-        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    )
-    return Generation(
-        kind="chat",
-        model=req.model,
-        params=_sampling_params(req, max_tokens, logprobs, limits),
-        n=req.n,
-        stream=req.stream,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        messages=messages,
-        add_generation_prompt=req.add_generation_prompt,
-    )

@@ -15,6 +15,7 @@ from stoker.services.api.openai_schema import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from stoker.services.api.structured_request import REMOVED_GUIDED_FIELDS
 
 _ERROR = {
     "type": "object",
@@ -144,8 +145,16 @@ def openapi_document(limits: Limits, secured: bool) -> dict[str, Any]:
         ref_template="#/components/schemas/{name}",
     )
     components["CompletionRequest"]["properties"]["prompt"] = _PROMPT
-    for name in ("CompletionRequest", "ChatRequest"):  # the server's own bound, not int64's
-        components[name]["properties"]["n"].update(minimum=1, maximum=limits.max_n)
+    for name in ("CompletionRequest", "ChatRequest"):
+        properties = components[name]["properties"]
+        # The server's own bound, not int64's; null is 1.
+        properties["n"] = {"type": ["integer", "null"], "minimum": 1, "maximum": limits.max_n}
+        for field, replacement in REMOVED_GUIDED_FIELDS.items():
+            properties[field] = {
+                "type": "null",
+                "deprecated": True,
+                "description": f"vLLM's removed spelling: a 400 unless null; use {replacement}",
+            }
     components["Error"] = _ERROR
     doc: dict[str, Any] = {
         "openapi": "3.1.0",

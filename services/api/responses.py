@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from stoker.common.messages import TextDelta, TokenLogprobs, num_ids, unpack_ids
 from stoker.services.api.tokens import TokenStrings
+from stoker.services.api.tool_output import ToolOutput
 
 
 @dataclasses.dataclass
@@ -94,9 +95,11 @@ class Formatter:
         model: str,
         strings: TokenStrings,
         logprobs: bool,
+        tools: ToolOutput | None = None,
     ) -> None:
         self.kind, self.id, self.model, self.strings = kind, req_id, model, strings
         self.with_logprobs = logprobs
+        self.tools = tools  # set when calls are parsed out of a chat's output
         self.created = int(time.time())
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -114,12 +117,15 @@ class Formatter:
         choices = []
         for c in acc.choices:
             choice: dict[str, Any] = {"index": c.index}
+            finish = c.finish_reason
             if self.kind == "completion":
                 choice["text"] = c.text
+            elif self.tools is not None:
+                choice["message"], finish = self.tools.message(c.index, c.text, finish)
             else:
                 choice["message"] = {"role": "assistant", "content": c.text}
             choice["logprobs"] = self._logprobs(c.token_ids, c.logprobs, 0)
-            choice["finish_reason"] = c.finish_reason
+            choice["finish_reason"] = finish
             choices.append(choice)
         obj = "text_completion" if self.kind == "completion" else "chat.completion"
         return {**self._envelope(obj, choices), "usage": acc.usage()}
@@ -133,6 +139,8 @@ class Formatter:
         lps: list[TokenLogprobs] = []
         if self.with_logprobs:  # the ids are only needed to name the logprobs' tokens
             lps = [x for d in deltas for x in (d.logprobs or [])]
+        if self.tools is not None:
+            return self._tool_chunk(c, text, finish, deltas, lps)
         if not text and finish is None and not lps:
             return None
         logprobs = None
@@ -147,8 +155,33 @@ class Formatter:
         choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return self._envelope("chat.completion.chunk", [choice])
 
+    def _tool_chunk(
+        self,
+        c: Choice,
+        text: str,
+        finish: str | None,
+        deltas: list[TextDelta],
+        lps: list[TokenLogprobs],
+    ) -> dict[str, Any] | None:
+        assert self.tools is not None
+        delta, finish = self.tools.delta(c.index, text, finish)
+        if not delta and finish is None and not lps:
+            return None  # held back: it may still open a call
+        logprobs = None
+        if self.with_logprobs:
+            ids = [t for d in deltas for t in unpack_ids(d.token_ids)]
+            logprobs = self._logprobs(ids, lps, 0)
+        choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        return self._envelope("chat.completion.chunk", [choice])
+
     def role_chunk(self, index: int) -> dict[str, Any]:
-        delta = {"role": "assistant", "content": ""}
+        # With calls parsed, no content until there is some: a choice of calls alone then
+        # adds up to content null, as its whole response says.
+        delta = (
+            {"role": "assistant"}
+            if self.tools is not None
+            else {"role": "assistant", "content": ""}
+        )
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         return self._envelope("chat.completion.chunk", [choice])
 
