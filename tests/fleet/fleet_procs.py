@@ -97,8 +97,9 @@ def wait_until(check, timeout: float, what: str, proc: subprocess.Popen | None =
 def start_fleet(
     run_dir: Path, replicas: int, extra: Sequence[str] = (), model: str = MODEL, null: bool = True
 ) -> Fleet:
-    port = free_port_run(replicas + 2)
-    metrics_port = port + replicas + 1
+    # The front on port, the replicas after it, then smg's own port, then its metrics port.
+    port = free_port_run(replicas + 3)
+    metrics_port = port + replicas + 2
     cmd = [sys.executable, "-m", "stoker.cli", "serve", "--model", model]
     cmd += ["--null-model"] if null else []
     cmd += ["--replicas", str(replicas), "--router", "smg", "--port", str(port)]

@@ -39,8 +39,15 @@ def test_replicas_get_their_own_ports_and_run_dirs_and_the_router_their_urls():
     urls = cmd[cmd.index("--worker-urls") + 1 : cmd.index("--worker-urls") + 3]
     assert urls == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
     assert cmd[cmd.index("--policy") + 1] == "cache_aware"
-    assert cmd[cmd.index("--port") + 1] == "9000"
+    # smg on loopback after the last replica; the front on --port, ahead of it.
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--port") + 1] == "9003"
+    assert cmd[cmd.index("--max-buffered-request-bytes") + 1] == "0"  # verbatim forwarding
     assert cmd[cmd.index("--health-check-endpoint") + 1] == "/health"
+    assert plan.front_cmd == [
+        "py", "-P", "-m", "stoker.tools.fleet.front", "--host", "127.0.0.1", "--port", "9000",
+        "--router", "http://127.0.0.1:9003", "--shutdown-timeout", "30.0",
+    ]  # fmt: skip
     assert plan.router_url == "http://127.0.0.1:9000"
 
 
@@ -60,6 +67,16 @@ def test_api_key_reaches_the_router():
 def test_a_replica_port_on_the_router_port_is_refused():
     with pytest.raises(ValueError, match="collides"):
         _plan(["--replicas", "2", "--port", "7001", "--replica-port", "7000"])
+
+
+def test_smgs_port_is_a_flag_and_must_not_collide():
+    _, plan = _plan(["--replicas", "2", "--port", "9000", "--router-port", "9500"])
+    assert plan.router_cmd[plan.router_cmd.index("--port") + 1] == "9500"
+    assert plan.front_cmd[plan.front_cmd.index("--router") + 1] == "http://127.0.0.1:9500"
+    with pytest.raises(ValueError, match="collide"):
+        _plan(["--replicas", "2", "--port", "9000", "--router-metrics-port", "9003"])
+    with pytest.raises(ValueError, match="collide"):
+        _plan(["--replicas", "2", "--port", "9000", "--router-port", "9002"])
 
 
 def test_a_replica_that_would_start_a_fleet_is_refused():

@@ -1,10 +1,11 @@
 """The fleet's commands, worked out without starting anything (docs/fleet.md).
 
 `stoker serve --replicas N --router smg` runs N complete `stoker serve` sets, each on its own
-loopback port and run directory, with `smg launch` in front on --host/--port. A replica gets the
-caller's flags minus the fleet's own (and minus --host, --port and --run-dir, which the fleet
-assigns); the router gets its worker URLs, the policy, health checks fast enough for a local
-fleet, and whatever --router-args adds last (so it overrides).
+loopback port and run directory, `smg launch` on a loopback port of its own, and the fleet's front
+(front.py) on --host/--port, which hands smg every request in a form smg forwards verbatim. A
+replica gets the caller's flags minus the fleet's own (and minus --host, --port and --run-dir,
+which the fleet assigns); the router gets its worker URLs, the policy, health checks fast enough
+for a local fleet, and whatever --router-args adds last (so it overrides).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _FLEET = "fleet: replicas behind a router (docs/fleet.md)"
 # A replica is `python <SERVE> <its flags>`; -P keeps the working directory off sys.path (a
 # checkout there must not shadow the installed package: docs/architecture.md).
 SERVE = ["-P", "-m", "stoker.cli", "serve"]
+FRONT = ["-P", "-m", "stoker.tools.fleet.front"]
 
 
 @dataclass
@@ -57,6 +59,11 @@ class FleetConfig:
     replica_port: int | None = flag(
         None,
         "first replica's port on 127.0.0.1; the others follow (default: --port + 1)",
+        group=_FLEET,
+    )
+    router_port: int | None = flag(
+        None,
+        "smg's own port on 127.0.0.1, behind the fleet's front (default: after the last replica)",
         group=_FLEET,
     )
     router_metrics_port: int = flag(
@@ -100,8 +107,9 @@ class Replica:
 @dataclass(frozen=True)
 class FleetPlan:
     replicas: list[Replica]
-    router_cmd: list[str]
-    router_url: str  # where clients connect (loopback form of --host)
+    router_cmd: list[str]  # smg, on REPLICA_HOST:router_port
+    front_cmd: list[str]  # the front, on --host/--port
+    router_url: str  # where clients connect: the front (loopback form of --host)
 
 
 def replica_argv(argv: list[str]) -> list[str]:
@@ -121,9 +129,15 @@ def replica_argv(argv: list[str]) -> list[str]:
 
 
 def router_command(
-    args: argparse.Namespace, worker_urls: list[str], python: str = sys.executable
+    args: argparse.Namespace,
+    worker_urls: list[str],
+    python: str = sys.executable,
+    host: str | None = None,
+    port: int | None = None,
 ) -> list[str]:
-    cmd = [python, "-m", "smg", "launch", "--host", args.host, "--port", str(args.port)]
+    """`smg launch` for these workers, on host:port (default: --host, --port)."""
+    host, port = host or args.host, port or args.port
+    cmd = [python, "-m", "smg", "launch", "--host", host, "--port", str(port)]
     cmd += ["--worker-urls", *worker_urls, "--policy", args.router_policy]
     cmd += [
         "--health-check-endpoint", "/health",
@@ -139,10 +153,21 @@ def router_command(
         "--prometheus-port", str(args.router_metrics_port),
         "--shutdown-grace-period-secs", str(max(1, int(args.shutdown_timeout))),
         "--log-level", "warn",
+        # A body smg can route without reading (the front's routing hint) is streamed to the
+        # replica verbatim instead of parsed into smg's types, which lose fields (front.py).
+        "--max-buffered-request-bytes", "0",
     ]  # fmt: skip
     if args.api_key:  # smg checks it on the data plane and passes it on to the workers
         cmd += ["--api-key", args.api_key]
     return cmd + shlex.split(args.router_args)
+
+
+def front_command(
+    args: argparse.Namespace, router_url: str, python: str = sys.executable
+) -> list[str]:
+    """The front (front.py) on --host/--port, ahead of smg at router_url."""
+    cmd = [python, *FRONT, "--host", args.host, "--port", str(args.port), "--router", router_url]
+    return cmd + ["--shutdown-timeout", str(args.shutdown_timeout)]
 
 
 def plan_fleet(
@@ -165,8 +190,17 @@ def plan_fleet(
     urls = [r.url for r in replicas]
     if args.port in {r.port for r in replicas}:
         raise ValueError(f"--port {args.port} collides with a replica port ({base}..)")
+    smg_port = args.router_port if args.router_port is not None else base + args.replicas
+    ports = [args.port, *(r.port for r in replicas), smg_port, args.router_metrics_port]
+    if len(set(ports)) < len(ports):
+        raise ValueError(
+            f"ports collide: --port {args.port}, replicas {base}.., --router-port {smg_port}, "
+            f"--router-metrics-port {args.router_metrics_port}"
+        )
+    router = router_command(args, urls, python, REPLICA_HOST, smg_port)
+    front = front_command(args, f"http://{REPLICA_HOST}:{smg_port}", python)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    return FleetPlan(replicas, router_command(args, urls, python), f"http://{host}:{args.port}")
+    return FleetPlan(replicas, router, front, f"http://{host}:{args.port}")
 
 
 def check_replica_argv(parse: argparse.ArgumentParser, cmd_tail: list[str]) -> None:

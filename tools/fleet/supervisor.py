@@ -1,10 +1,12 @@
-"""Run a fleet: N `stoker serve` replicas, then `smg launch` in front, and keep them up.
+"""Run a fleet: N `stoker serve` replicas, then `smg launch` and the front (front.py) ahead of
+it, and keep them up.
 
-- The replicas start together; the router starts once they answer /health (smg retries a worker
-  that is not up yet only every 30 s, so starting it first would slow the first request).
+- The replicas start together; the router (smg and the front) starts once they answer /health
+  (smg retries a worker that is not up yet only every 30 s, so starting it first would slow the
+  first request).
 - A replica whose launcher exits (its engine died, say) is started again in the same slot, with
   a backoff if it keeps dying; meanwhile smg's health checks route around it, and it rejoins when
-  its /health turns green. The router exiting is fatal: everything stops, exit 1.
+  its /health turns green. smg or the front exiting is fatal: everything stops, exit 1.
 - SIGINT / SIGTERM: the router and the replicas are told to stop together (each drains what it
   has in flight, up to --shutdown-timeout), then anything left is killed; exit 0.
 """
@@ -98,20 +100,22 @@ def _run(
     signals: StopSignals,
 ) -> int:
     replicas = dict(zip((m.name for m in members), plan.replicas, strict=True))
-    router: Member | None = None
+    routers: list[Member] = []  # smg and the front
     announced = False
     while not signals.requested:
         now = time.monotonic()
-        if router is not None and router.proc.poll() is not None:
-            _log(f"router exited with code {router.proc.returncode}")
-            return 1
+        for r in routers:
+            if r.proc.poll() is not None:
+                _log(f"{r.name} exited with code {r.proc.returncode}")
+                return 1
         for m in members:
-            if m is not router and m.proc.poll() is not None:
+            if m.name in replicas and m.proc.poll() is not None:
                 _restart(m, now)
-        if router is None:
+        if not routers:
             if all(_ok(replicas[m.name].url + "/health") for m in members):
-                router = Member("router", plan.router_cmd, _spawn(plan.router_cmd, env), now)
-                members.append(router)
+                for name, cmd in (("router", plan.router_cmd), ("front", plan.front_cmd)):
+                    routers.append(Member(name, cmd, _spawn(cmd, env), now))
+                members.extend(routers)
             elif now - started > READY_TIMEOUT_S:
                 _log("the replicas did not turn healthy in time")
                 return 1
