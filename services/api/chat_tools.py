@@ -83,6 +83,7 @@ class ToolPlan:
     structured: StructuredOutput | None = None  # forces calls: tool_choice required or named
     parallel: bool = True  # false: at most one call per choice
     legacy: bool = False  # answer as `functions` did: message.function_call
+    format: str = ""  # the model's tool-call format, for a grammar that allows calls
 
 
 NO_TOOLS = ToolPlan()
@@ -111,7 +112,12 @@ def tool_plan(
         return NO_TOOLS  # parallel_tool_calls without tools asks for nothing
     functions_given = _functions(tools)
     rendered = compact_json(_as_tools(functions_given), "tools")
-    base = ToolPlan(tools=rendered, parallel=parallel_tool_calls is not False, legacy=legacy)
+    base = ToolPlan(
+        tools=rendered,
+        parallel=parallel_tool_calls is not False,
+        legacy=legacy,
+        format=format_name,
+    )
     choice, allowed = _choice(tool_choice or "auto", functions_given)
     if choice == "none":
         return base

@@ -4,6 +4,7 @@ tools and the output constraint, as the server runs them (n sub-requests for the
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -317,11 +318,27 @@ def _chat_structured(req: ChatRequest, tools: ToolPlan) -> StructuredOutput | No
             "send one of them",
             param="tool_choice",
         )
-    raise ApiError(
-        f"{given} together with tools under tool_choice auto is not supported (the output "
-        "could not both follow the format and call tools); send tool_choice none, or one of them",
-        param="tool_choice",
-    )
+    if structured.kind not in ANSWER_KINDS:
+        raise ApiError(
+            f"a {structured.kind} grammar together with tools under tool_choice auto is not "
+            "supported; send tool_choice none, or a JSON schema, a regex or choices",
+            param="tool_choice",
+        )
+    # Either calls in the model's format or an answer in the requested format: one grammar
+    # allowing both (services/tokenizer/grammar_compile.py), as agents with an output type ask.
+    assert tools.tools is not None
+    spec = {
+        "format": tools.format,
+        "tools": json.loads(tools.tools),
+        "choice": "auto",
+        "parallel": tools.parallel,
+        "answer": {"kind": structured.kind, "spec": structured.spec},
+    }
+    return StructuredOutput(kind="tool_calls", spec=json.dumps(spec, separators=(",", ":")))
+
+
+# Output formats a grammar can offer beside tool calls under tool_choice auto.
+ANSWER_KINDS = ("json_schema", "json_object", "regex", "choice")
 
 
 def _check_continue(req: ChatRequest, add_generation_prompt: bool) -> None:

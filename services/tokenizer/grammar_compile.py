@@ -101,11 +101,34 @@ def grammar_text(
     if kind == "tool_calls":
         request = json.loads(spec)
         fmt = detect_format(None, request["format"])
-        lark = tool_grammar(
-            fmt, request["tools"], request["choice"], request["parallel"], special_token_id
-        )
+        answer = request.get("answer")
+        choice = "required" if answer is not None else request["choice"]
+        lark = tool_grammar(fmt, request["tools"], choice, request["parallel"], special_token_id)
+        if answer is not None:  # tool_choice auto beside an output format: calls or the answer
+            lark = _calls_or_answer(lark, StructuredOutput(answer["kind"], answer.get("spec", "")))
         return matcher.grammar_from_lark(lark)
     raise GrammarError(f"unknown structured output kind {kind!r}")
+
+
+def _calls_or_answer(calls_lark: str, answer: StructuredOutput) -> str:
+    """One Lark grammar: the tool calls (tool_grammar's, its start renamed) or the answer."""
+    if not calls_lark.startswith("start:"):
+        raise GrammarError("unexpected tool grammar")
+    rules = ["start: tool_calls | answer", "tool_calls:" + calls_lark[len("start:") :]]
+    if answer.kind in ("json_schema", "json_object"):
+        schema = json.loads(answer.spec) if answer.kind == "json_schema" else {"type": "object"}
+        if not isinstance(schema, dict):
+            raise GrammarError("a JSON schema beside tools must be an object")
+        options = {**JSON_DEFAULTS, **schema.get("x-guidance", {}), **JSON_OVERRIDES}
+        rules.append(f"answer: %json {json.dumps({**schema, 'x-guidance': options})}")
+    elif answer.kind == "regex":
+        rules.append(f"answer: /{answer.spec.replace('/', chr(92) + '/')}/")
+    elif answer.kind == "choice":
+        choices = json.loads(answer.spec)
+        rules.append("answer: " + " | ".join(json.dumps(c) for c in choices))
+    else:
+        raise GrammarError(f"a {answer.kind} grammar cannot sit beside tool calls")
+    return "\n".join(rules)
 
 
 class GrammarCompiler:

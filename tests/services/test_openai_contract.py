@@ -417,9 +417,16 @@ def test_tools_are_validated(tools, choice, param, words):
     assert err.param == param and words in err.message
 
 
-def test_tools_and_an_output_format_conflict():
+def test_tools_and_an_output_format():
+    """auto: one grammar allows calls or the answer (as the Agents SDK asks with an output
+    type); required or named: a conflict; a Lark grammar beside tools: not supported."""
     rf = {"type": "json_object"}
-    assert "response_format" in rejected(chat, tools=[TIME], response_format=rf).message
+    both = chat(tools=[TIME], response_format=rf).params.structured
+    spec = json.loads(both.spec)
+    assert both.kind == "tool_calls" and spec["choice"] == "auto"
+    assert spec["answer"] == {"kind": "json_object", "spec": ""}
+    lark = {"grammar": 'start: "x"'}
+    assert "tool_choice" in rejected(chat, tools=[TIME], structured_outputs=lark).message
     err = rejected(chat, tools=[TIME], tool_choice="required", response_format=rf)
     assert "tool_choice" in err.message and "response_format" in err.message
     assert chat(tools=[TIME], tool_choice="none", response_format=rf).params.structured.kind == (
