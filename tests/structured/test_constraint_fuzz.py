@@ -36,7 +36,7 @@ scalars = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(-(2**70), 2**70),
-    st.floats(allow_nan=False),
+    st.floats(allow_nan=False, allow_infinity=False),
     st.text(max_size=12),
     st.sampled_from(TYPES),
 )
