@@ -247,14 +247,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return None if module is None else module.silu_and_mul(gate_up)
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> bool:
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor, fill: float
+) -> bool:
     """The grammar mask natively, in place (kernels/token_mask.py); False: use the reference."""
-    if logits.dtype != torch.float32 or not logits.is_cpu or logits.stride(-1) != 1:
+    if logits.dtype not in NATIVE_DTYPES or not logits.is_cpu or logits.stride(-1) != 1:
         return False
     module = load()
     if module is None:
         return False
-    module.apply_token_bitmask(logits, bitmask, rows)
+    module.apply_token_bitmask(logits, bitmask, rows.contiguous(), fill)
     return True
 
 

@@ -7,6 +7,8 @@ reference below unpacks the bits, and is what other devices run.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from stoker.kernels import cpu_ops
@@ -25,15 +27,27 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_token_bitmask_reference(
-    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor, fill: float = -math.inf
 ) -> None:
     allowed = allowed_tokens(bitmask[rows.to(bitmask.device)], logits.shape[1])
     rows = rows.to(logits.device)
-    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
+    logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), fill)
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """logits [R, V] (float), bitmask [R, W] int32 on the CPU, rows int64: the rows to mask."""
-    if cpu_ops.apply_token_bitmask(logits, bitmask, rows):
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor, fill: float = -math.inf
+) -> None:
+    """logits [R, V], bitmask [R, W] int32 (on the logits' device), rows int64: the rows to
+    mask; a disallowed token's logit becomes `fill`."""
+    if cpu_ops.apply_token_bitmask(logits, bitmask, rows, fill):
         return
-    apply_token_bitmask_reference(logits, bitmask, rows)
+    apply_token_bitmask_reference(logits, bitmask, rows, fill)
+
+
+def allowed_at(bitmask: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """[R, N] bool: whether row r's mask allows token_ids[n] (ids past the words: no)."""
+    words = token_ids >> 5
+    inside = words < bitmask.shape[1]
+    picked = bitmask[:, words.clamp(max=bitmask.shape[1] - 1)]
+    bits = (picked >> (token_ids & 31).to(torch.int32)) & 1
+    return bits.bool() & inside

@@ -20,7 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Exp(1) float32 noise [rows, vocab] from counter-based per-row keys");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up over a fused gate_up (fp32)");
   m.def("apply_token_bitmask", &apply_token_bitmask,
-        "a grammar's token bitmask applied to logits rows in place (fp32)");
+        "a grammar's token bitmask applied to logits rows in place (fp32, bf16)");
   m.def("store_kv", &store_kv, "new key/value rows into their paged-cache slots");
   m.def("greedy_candidates", &greedy_candidates,
         "per row, the tokens whose bounded bfloat16 logit may be the float32 argmax");

@@ -34,7 +34,8 @@ void store_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor 
               torch::Tensor value, torch::Tensor slot_mapping);
 
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
-void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows,
+                         double fill);
 bool bf16_pairs_supported();
 torch::Tensor pack_bf16_pairs(torch::Tensor weight);
 using OptTensor = c10::optional<torch::Tensor>;

@@ -53,18 +53,22 @@ class StepMasks:
         self, future: concurrent.futures.Future[tuple[torch.Tensor, float]], rows: list[int]
     ) -> None:
         self._future, self.rows = future, rows
+        self._bitmask_: torch.Tensor | None = None
         self.fill_s = 0.0  # the grammar thread's time on this step (consume + fill)
         self.wait_s = 0.0  # how long sampling waited: the part the forward did not hide
 
-    def _bitmask(self) -> torch.Tensor:
-        t0 = time.perf_counter()
-        bitmask, self.fill_s = self._future.result()
-        self.wait_s = time.perf_counter() - t0
-        return bitmask
+    def bitmask(self) -> torch.Tensor:
+        """[logits rows, words] int32, once filled (every token allowed in rows without a
+        grammar); waits for the grammar thread the first time."""
+        if self._bitmask_ is None:
+            t0 = time.perf_counter()
+            self._bitmask_, self.fill_s = self._future.result()
+            self.wait_s = time.perf_counter() - t0
+        return self._bitmask_
 
     def apply(self, logits: torch.Tensor) -> None:
         """Disallowed tokens' logits to -inf, in the grammar rows only."""
-        bitmask = self._bitmask()
+        bitmask = self.bitmask()
         if not logits.is_cpu:
             bitmask = bitmask.to(logits.device, non_blocking=True)
         apply_token_bitmask(logits, bitmask, torch.tensor(self.rows, dtype=torch.int64))
@@ -73,7 +77,7 @@ class StepMasks:
         """The null model's tokens under the masks: its own where allowed, else the lowest
         allowed id in the first word at or after its own that allows any (wrapping), so the
         host pipeline walks the grammar without a forward."""
-        words = self._bitmask().numpy().view(np.uint32)
+        words = self.bitmask().numpy().view(np.uint32)
         out = list(tokens)
         for row in self.rows:
             if row >= len(out):  # a verify's later rows: the null model samples one token

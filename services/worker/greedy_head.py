@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from stoker.kernels import cpu_ops
+from stoker.kernels.token_mask import allowed_at, apply_token_bitmask
 from stoker.services.worker.models.layers import linear, pack_weight
 
 log = logging.getLogger("stoker.worker")
@@ -36,6 +37,7 @@ log = logging.getLogger("stoker.worker")
 MAX_CANDIDATES = 64
 OUTPUT_REL = 2.0**-8  # the bfloat16 output's rounding, 2u
 SLACK = 1e-30  # flushed subnormal products (oneDNN's bfloat16 kernels flush them)
+MASKED = -1e30  # a grammar-disallowed token's bfloat16 logit
 
 
 def cpu_has_native_bf16() -> bool:
@@ -85,14 +87,23 @@ class GreedyHead:
         SmolLM2's head), else oneDNN's, which round the same way."""
         return linear(hidden.to(torch.bfloat16), self._packed)
 
-    def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def argmax(
+        self, hidden: torch.Tensor, bitmask: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """[R] int64 greedy tokens of float32 hidden rows [R, hidden]; None: some row needs the
-        full head (the caller then computes the logits as usual)."""
+        full head (the caller then computes the logits as usual). bitmask: a grammar's allowed
+        tokens per row (worker/grammar.py), so the tokens are the masked logits' argmax."""
         module = cpu_ops.load()
         assert module is not None
         row_scale = (hidden.double().norm(dim=1) * self.scale).float()
+        approx = self.approx_logits(hidden)
+        if bitmask is not None:
+            # A finite floor, far below any bound: never a candidate, and the screen (which
+            # sends non-finite rows to the full head) still answers the row.
+            every_row = torch.arange(len(hidden), dtype=torch.int64)
+            apply_token_bitmask(approx, bitmask, every_row, MASKED)
         candidates, counts = module.greedy_candidates(
-            self.approx_logits(hidden), row_scale, self.col_norm, OUTPUT_REL, SLACK, MAX_CANDIDATES
+            approx, row_scale, self.col_norm, OUTPUT_REL, SLACK, MAX_CANDIDATES
         )
         if bool((counts < 0).any()):
             self.rows_full += len(hidden)
@@ -106,5 +117,7 @@ class GreedyHead:
         if pad:
             rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
         exact = cpu_ops.panel_linear(hidden, cpu_ops.pack_panels(rows))[:, :n]
+        if bitmask is not None:  # another row's candidate may be one this row disallows
+            exact.masked_fill_(~allowed_at(bitmask, union), float("-inf"))
         self.rows_screened += len(hidden)
         return union[exact.argmax(dim=-1)]

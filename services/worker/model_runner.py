@@ -295,7 +295,7 @@ class ModelRunner:
                     graph_rows = [i for i, c in enumerate(chunks) if c.num_sampled]
                 argmax_only = all(i.state.sampling.argmax_only for i in sampled)
                 hidden, prompt_hidden = self.hidden_states(graphs, inputs, graph_rows)
-                logits, greedy_ids = self.head(hidden, len(sampled), argmax_only)
+                logits, greedy_ids = self.head(hidden, len(sampled), argmax_only, masks)
                 if proposer is not None:
                     self.model.tap_layers = ()
                     chunk_ids = (i.state.req_id for i in scheduled)
@@ -399,13 +399,16 @@ class ModelRunner:
         graph_rows: list[int] | None,
         num_sampled: int,
         argmax_only: bool,
+        masks: StepMasks | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The model over the prepared step (graphs, or eager inputs): (logits of the sampled
         rows, None), or (None, their tokens) where every sampled row wants only the argmax
         (argmax_only) and the greedy head found it, or (None, None) where none sample.
-        graph_rows: the graph batch's rows that sample, where not all of them do."""
+        graph_rows: the graph batch's rows that sample, where not all of them do. masks: the
+        step's grammar masks, which the greedy head's tokens obey (logits are returned
+        unmasked: the caller applies them)."""
         hidden, _ = self.hidden_states(graphs, inputs, graph_rows)
-        return self.head(hidden, num_sampled, argmax_only)
+        return self.head(hidden, num_sampled, argmax_only, masks)
 
     def hidden_states(
         self,
@@ -435,14 +438,19 @@ class ModelRunner:
         return hidden[rows], prompt
 
     def head(
-        self, hidden: torch.Tensor, num_sampled: int, argmax_only: bool
+        self,
+        hidden: torch.Tensor,
+        num_sampled: int,
+        argmax_only: bool,
+        masks: StepMasks | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The sampled rows' logits, or their tokens from the greedy head (see `forward`)."""
         assert self.model is not None
         if not num_sampled:
             return None, None
         if self.greedy_head is not None and argmax_only:
-            tokens = self.greedy_head.argmax(hidden)
+            bitmask = None if masks is None else masks.bitmask()
+            tokens = self.greedy_head.argmax(hidden, bitmask)
             if tokens is not None:
                 return None, tokens
         return self.model.compute_logits(hidden), None

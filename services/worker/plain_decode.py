@@ -92,7 +92,7 @@ def execute_plain_decode(
         argmax_only = all(s.sampling.argmax_only for s in states)
         runner.forward_timer.start()
         with span("forward"):
-            logits, greedy_ids = runner.forward(graphs, inputs, None, n, argmax_only)
+            logits, greedy_ids = runner.forward(graphs, inputs, None, n, argmax_only, masks)
         runner.forward_timer.stop()
     t2 = time.perf_counter()
     logprobs: list[TokenLogprobs | None] | None = None

@@ -48,12 +48,8 @@ class RequestSampling:
         # Its tokens are the raw logits' argmax and nothing else is read from them, so the
         # runner may skip the full LM head (services/worker/greedy_head.py).
         self.argmax_only = (
-            params.greedy
-            and self.counts is None
-            and self.bias is None
-            and params.logprobs is None
-            and params.structured is None  # its logits are masked first (worker/grammar.py)
-        )
+            params.greedy and self.counts is None and self.bias is None and params.logprobs is None
+        )  # a grammar's mask applies to the argmax too (worker/greedy_head.py)
 
     def add(self, tokens: Sequence[int]) -> None:
         """Count newly generated tokens (one small device op; none without penalties)."""

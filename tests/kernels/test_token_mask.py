@@ -51,7 +51,9 @@ def test_native_kernel_is_built_here():
     if cpu_ops.load() is None:
         pytest.skip("native CPU kernels unavailable (STOKER_CPU_KERNELS=0 or no compiler)")
     logits = torch.randn(2, 64)
-    assert cpu_ops.apply_token_bitmask(
-        logits, torch.zeros(2, 2, dtype=torch.int32), torch.tensor([1])
-    )
+    none = torch.zeros(2, 2, dtype=torch.int32)
+    assert cpu_ops.apply_token_bitmask(logits, none, torch.tensor([1]), float("-inf"))
     assert torch.isinf(logits[1]).all() and not torch.isinf(logits[0]).any()
+    floor = logits.to(torch.bfloat16)
+    assert cpu_ops.apply_token_bitmask(floor, none, torch.tensor([0]), -1e30)
+    assert bool((floor[0].float() < -1e29).all())

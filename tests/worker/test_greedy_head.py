@@ -165,3 +165,23 @@ def test_greedy_verify_with_it_matches_plain_decoding(tmp_path, monkeypatch):
             if mode == "on":
                 assert llm.engine.runner.greedy_head.rows_screened > len(prompts) * 32 // 4
     assert outputs["on", "ngram"] == outputs["off", "ngram"] == outputs["off", None]
+
+
+@pytest.mark.parametrize("rows", [1, 4, 9])
+def test_masked_argmax_equals_the_masked_full_heads(rows):
+    """With a grammar's bitmask (worker/grammar.py): the argmax over the allowed tokens only,
+    each row under its own mask, rows without a grammar (all bits set) as before."""
+    from stoker.kernels.token_mask import apply_token_bitmask
+
+    g = torch.Generator().manual_seed(rows)
+    vocab = 1024  # panels of 16
+    weight = torch.randn(vocab, 64, generator=g)
+    x = torch.randn(rows, 64, generator=g)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, generator=g)
+    bitmask[:, : words // 2] = 0  # the full head's argmax is often in a disallowed half
+    bitmask[0] = -1  # a row without a grammar
+    full = cpu_ops.panel_linear(x, cpu_ops.pack_panels(weight))
+    apply_token_bitmask(full, bitmask, torch.arange(rows))
+    for head in _heads(weight):
+        assert torch.equal(head.argmax(x, bitmask), full.argmax(dim=-1))
