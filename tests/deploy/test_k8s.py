@@ -4,8 +4,9 @@ agree with each other, with compose.yaml and the Dockerfile, and with the CLIs t
 No cluster here: Kubernetes objects are checked against the API's JSON schemas
 (kubernetes-validate, bundled), the ServiceMonitors against the Prometheus Operator CRD's schema
 (vendored in deploy/k8s/schemas), and the container arguments by the real argument parsers of
-`stoker serve` and `smg launch`. The tools come from the `test` extra (pyproject.toml).
-The slow test runs the router's rendered command against a real replica and a stand-in pod API.
+`stoker serve`, `smg launch` and the fleet's front. The tools come from the `test` extra
+(pyproject.toml). The slow test runs the router pod's rendered commands (smg and the front)
+against a real replica and a stand-in pod API.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import threading
 import time
 import urllib.parse
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -36,9 +38,11 @@ import referencing
 import yaml
 from kubernetes_validate.utils import latest_version, schema_contents
 from openai import OpenAI
+from smg import launch_router as smg_launcher
 from smg.launch_router import parse_router_args
 
 from stoker.launcher import build_parser as stoker_serve_parser
+from stoker.tools.fleet import front, plan
 from tests.deploy.procs import alive, children_of, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,6 +50,11 @@ K8S = ROOT / "deploy" / "k8s"
 # The oldest Kubernetes minor still commonly run, and the newest the bundled schemas know.
 K8S_VERSIONS = ["1.29", latest_version()]
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+# The router pod's smg: `smg launch` without its switch to multi-model mode (router.yaml).
+SMG_SINGLE_MODEL = (
+    "import sys; from smg.launch_router import parse_router_args; from smg.router import Router; "
+    "Router.from_args(parse_router_args(sys.argv[1:])).start()"
+)
 Obj = dict[str, Any]
 
 
@@ -80,17 +89,33 @@ def one(objs: list[Obj], kind: str, name: str) -> Obj:
     return found[0]
 
 
-def container(deployment: Obj) -> Obj:
-    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+def container(deployment: Obj, name: str | None = None) -> Obj:
+    """The pod's one container, or the one called name."""
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    (c,) = [c for c in containers if name is None or c["name"] == name]
     return c
 
 
 def port_number(c: Obj, port: int | str) -> int:
-    """A probe's or Service's port, by name or number, as the container's port number."""
+    """A probe's port, by name or number, as the container's port number."""
     if isinstance(port, int):
         return port
-    (p,) = [p for p in c["ports"] if p["name"] == port]
+    (p,) = [p for p in c.get("ports", []) if p["name"] == port]
     return p["containerPort"]
+
+
+def pod_port(deployment: Obj, port: int | str) -> tuple[str, int]:
+    """A Service's targetPort as the container that declares it and its number (a name is
+    looked up in every container of the pod, as the endpoints controller does)."""
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    found = [
+        (c["name"], p["containerPort"])
+        for c in containers
+        for p in c.get("ports", [])
+        if port in (p["name"], p["containerPort"])
+    ]
+    assert len(found) == 1, f"port {port}: {found}"
+    return found[0]
 
 
 def subset(small: dict[str, str], big: dict[str, str]) -> bool:
@@ -98,9 +123,22 @@ def subset(small: dict[str, str], big: dict[str, str]) -> bool:
 
 
 def router_args(objs: list[Obj]):
-    c = container(one(objs, "Deployment", "stoker-router"))
-    assert c["command"] == ["smg", "launch"]
+    c = container(one(objs, "Deployment", "stoker-router"), "smg")
+    assert c["command"] == ["python", "-P", "-c", SMG_SINGLE_MODEL]
     return parse_router_args(c["args"])  # smg's own parser: an unknown flag fails here
+
+
+def front_args(objs: list[Obj]) -> dict[str, Any]:
+    """The front container's arguments through front.main's own parser; nothing is started."""
+    c = container(one(objs, "Deployment", "stoker-router"), "front")
+    assert c["command"] == ["python", *plan.FRONT]  # as `stoker serve --replicas` runs it
+    seen: dict[str, Any] = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(front, "build_app", lambda router: seen.update(router=router))
+        mp.setattr(front.web, "run_app", lambda app, **kw: seen.update(kw))
+        mp.setattr(front, "uvloop", SimpleNamespace(new_event_loop=lambda: None))
+        front.main(c["args"])
+    return seen
 
 
 def stoker_args(objs: list[Obj]):
@@ -262,7 +300,7 @@ def test_router_discovers_the_engine_pods(objs: list[Obj]) -> None:
     assert r.health_check_endpoint == container(engine)["readinessProbe"]["httpGet"]["path"]
     # Its own namespace, from the downward API, so an overlay's `namespace:` needs no edit.
     assert r.service_discovery_namespace == "$(POD_NAMESPACE)"
-    env = {e["name"]: e for e in container(router)["env"]}
+    env = {e["name"]: e for e in container(router, "smg")["env"]}
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
 
 
@@ -298,9 +336,13 @@ def test_router_rbac_lets_it_watch_pods_in_its_namespace(objs: list[Obj]) -> Non
 def test_router_ports_probes_and_service(objs: list[Obj]) -> None:
     r = router_args(objs)
     router = one(objs, "Deployment", "stoker-router")
-    c = container(router)
+    assert [c["name"] for c in router["spec"]["template"]["spec"]["containers"]] == [
+        "smg",
+        "front",
+    ]
+    c = container(router, "smg")
+    # Every interface: SMG's probe listener binds --host too, and the kubelet probes the pod IP.
     assert r.host == "0.0.0.0" and r.prometheus_host == "0.0.0.0"
-    assert port_number(c, "http") == r.port
     assert port_number(c, "metrics") == r.prometheus_port
     # /liveness and /readiness on SMG's dedicated probe listener.
     assert port_number(c, c["livenessProbe"]["httpGet"]["port"]) == r.health_check_port
@@ -311,16 +353,63 @@ def test_router_ports_probes_and_service(objs: list[Obj]) -> None:
     svc = one(objs, "Service", "stoker-router")
     assert subset(svc["spec"]["selector"], router["spec"]["template"]["metadata"]["labels"])
     ports = {p["name"]: p for p in svc["spec"]["ports"]}
+    assert set(ports) == {"http", "metrics"}  # SMG's own port is in no Service
     assert ports["http"]["port"] == 80
-    assert port_number(c, ports["http"]["targetPort"]) == r.port
-    assert port_number(c, ports["metrics"]["targetPort"]) == r.prometheus_port
+    assert pod_port(router, ports["http"]["targetPort"]) == ("front", front_args(objs)["port"])
+    assert pod_port(router, ports["metrics"]["targetPort"]) == ("smg", r.prometheus_port)
+
+
+def test_router_pod_puts_the_front_ahead_of_smg(objs: list[Obj]) -> None:
+    """The Service's port is the front's, which reaches SMG over the pod's loopback; SMG
+    forwards the front's bodies unparsed (no buffering for a retry), as in the local fleet."""
+    r, f = router_args(objs), front_args(objs)
+    router = one(objs, "Deployment", "stoker-router")
+    fc = container(router, "front")
+    assert f["host"] == "0.0.0.0" and port_number(fc, "http") == f["port"]
+    assert f["router"] == f"http://127.0.0.1:{r.port}"
+    assert r.max_buffered_request_bytes == 0
+    # One network namespace: no two listeners on one port.
+    listeners = [f["port"], r.port, r.health_check_port, r.prometheus_port]
+    assert len(set(listeners)) == len(listeners)
+    # Alive while it accepts connections (an HTTP path would be answered by SMG); ready when the
+    # whole path is: /readiness through the front is SMG's, 503 until a replica is registered.
+    assert port_number(fc, fc["livenessProbe"]["tcpSocket"]["port"]) == f["port"]
+    assert "httpGet" not in fc["livenessProbe"]
+    get = fc["readinessProbe"]["httpGet"]
+    assert get["path"] == "/readiness" and port_number(fc, get["port"]) == f["port"]
+    # The drain fits in the grace period the kubelet gives the pod before SIGKILL.
+    grace = router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert f["shutdown_timeout"] < grace
+    for c in router["spec"]["template"]["spec"]["containers"]:
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True, c["name"]
+
+
+def test_smg_launch_would_parse_every_body_with_discovery_on(objs: list[Obj]) -> None:
+    """Why the manifest does not run `smg launch`: with service discovery on, it switches to
+    multi-model mode (IGW), which parses every generation body into smg's types whatever the
+    front's hint says (the slow test below shows it). Should a later smg stop switching, this
+    fails, and the container can run `smg launch` again."""
+    args = router_args(objs)
+    assert args.enable_igw is False  # what the manifest's command starts
+    started = []
+    fake_router = SimpleNamespace(
+        from_args=lambda a: started.append(copy.copy(a)) or SimpleNamespace(start=lambda: None)
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(smg_launcher, "Router", fake_router)
+        mp.setattr(smg_launcher, "print_banner", lambda *a: None)
+        mp.setattr(smg_launcher.setproctitle, "setproctitle", lambda title: None)
+        smg_launcher.launch_router(args)
+    (launched,) = started
+    assert launched.enable_igw is True
 
 
 def test_router_runs_the_smg_the_repo_pins(objs: list[Obj]) -> None:
     """The router runs from the stoker image, which installs pyproject.toml's dependencies: the
     smg pinned there, the one these tests parse the arguments with."""
-    c = container(one(objs, "Deployment", "stoker-router"))
-    assert c["image"] == container(one(objs, "Deployment", "stoker"))["image"]
+    image = container(one(objs, "Deployment", "stoker"))["image"]
+    router = one(objs, "Deployment", "stoker-router")
+    assert {c["image"] for c in router["spec"]["template"]["spec"]["containers"]} == {image}
     # pyproject.toml itself, which the Dockerfile installs from (an egg-info may be stale);
     # read as text, as a toml parser is not in Python 3.10's standard library.
     text = (ROOT / "pyproject.toml").read_text()
@@ -351,7 +440,7 @@ def _scraped_container_port(objs: list[Obj], monitor: str, service: str, deploym
     (endpoint,) = sm["spec"]["endpoints"]
     assert endpoint["path"] == "/metrics"
     (port,) = [p for p in svc["spec"]["ports"] if p["name"] == endpoint["port"]]
-    return port_number(container(dep), port["targetPort"])
+    return pod_port(dep, port["targetPort"])[1]
 
 
 def test_servicemonitors_scrape_the_metrics_ports(objs: list[Obj]) -> None:
@@ -417,8 +506,9 @@ def test_an_overlay_moves_namespace_replicas_and_image(objs: list[Obj], tmp_path
     }
     assert one(out, "Namespace", "inference")  # the Namespace object is renamed too
     assert one(out, "Deployment", "stoker")["spec"]["replicas"] == 5
-    for name in ("stoker", "stoker-router"):
-        assert container(one(out, "Deployment", name))["image"] == "registry.example/stoker:v1"
+    for name in ("stoker", "stoker-router"):  # every container, the front's too
+        for c in one(out, "Deployment", name)["spec"]["template"]["spec"]["containers"]:
+            assert c["image"] == "registry.example/stoker:v1"
     (binding,) = [o for o in out if o["kind"] == "RoleBinding"]
     assert binding["subjects"][0]["namespace"] == "inference"
     assert router_args(out).service_discovery_namespace == "$(POD_NAMESPACE)"
@@ -624,12 +714,15 @@ def wait_for(check, timeout: float, what: str, procs: list[subprocess.Popen]) ->
 
 @pytest.mark.slow
 def test_router_discovers_a_real_replica_through_the_pod_api(objs: list[Obj], tmp_path: Path):
-    """The router's container command and arguments, as rendered (listen addresses moved to
-    loopback ports), against a stand-in API server that lists three pods: a Ready engine pod
-    whose IP is a real `stoker serve` started from the engine's arguments (stoker-tiny, which
-    needs no download), an engine pod that is not Ready, and the router's own pod. SMG must
-    register exactly the first, route the openai client's request to it, and make only the
-    API calls its Role allows."""
+    """The router pod's containers, smg and the front, their commands and arguments as rendered
+    (listen addresses moved to loopback ports), against a stand-in API server that lists three
+    pods: a Ready engine pod whose IP is a real `stoker serve` started from the engine's
+    arguments (stoker-tiny, which needs no download), an engine pod that is not Ready, and the
+    router's own pod. SMG must register exactly the first; the openai client's requests, a
+    token-id prompt among them, go through the front to it; SMG makes only the API calls its
+    Role allows. Then `smg launch` with the same arguments (multi-model mode: see
+    test_smg_launch_would_parse_every_body_with_discovery_on) refuses that prompt even with
+    the front's hint."""
     engine = one(objs, "Deployment", "stoker")
     router = one(objs, "Deployment", "stoker-router")
     ns = router["metadata"]["namespace"]
@@ -677,14 +770,14 @@ def test_router_discovers_a_real_replica_through_the_pod_api(objs: list[Obj], tm
         procs.append(replica)
         wait_healthy(f"http://{ip}:{port}/health", timeout=240, procs=procs)
 
-        rc = container(router)
+        rc = container(router, "smg")
         pod_env = {e["name"]: ns for e in rc["env"]}  # POD_NAMESPACE: metadata.namespace
-        http_port, probe_port, metrics_port = free_port(), free_port(), free_port()
+        smg_port, probe_port, metrics_port = free_port(), free_port(), free_port()
         args = with_flags(
             expand(rc["args"], pod_env),
             {
                 "--host": "127.0.0.1",
-                "--port": str(http_port),
+                "--port": str(smg_port),
                 "--health-check-port": str(probe_port),
                 "--prometheus-host": "127.0.0.1",
                 "--prometheus-port": str(metrics_port),
@@ -692,21 +785,32 @@ def test_router_discovers_a_real_replica_through_the_pod_api(objs: list[Obj], tm
         )
         if port != stoker_args(objs).port:
             args = with_flags(args, {"--service-discovery-port": str(port)})
+        kube_env = dict(os.environ, KUBECONFIG=str(tmp_path / "kubeconfig"))
         smg = subprocess.Popen(
-            [str(Path(sys.executable).parent / rc["command"][0]), *rc["command"][1:], *args],
-            env=dict(os.environ, KUBECONFIG=str(tmp_path / "kubeconfig")),
-            start_new_session=True,
+            [sys.executable, *rc["command"][1:], *args], env=kube_env, start_new_session=True
         )
         procs.append(smg)
-        router_url = f"http://127.0.0.1:{http_port}"
+        fc = container(router, "front")
+        front_port = free_port()
+        front_proc = subprocess.Popen(
+            [sys.executable, *fc["command"][1:], *with_flags(fc["args"], {
+                "--host": "127.0.0.1", "--port": str(front_port),
+                "--router": f"http://127.0.0.1:{smg_port}",
+            })],
+            start_new_session=True,
+        )  # fmt: skip
+        procs.append(front_proc)
+        router_url = f"http://127.0.0.1:{front_port}"  # the Service's port: the front's
 
-        def ready() -> bool:
+        def ready(url: str) -> bool:
             try:
-                return httpx.get(f"http://127.0.0.1:{probe_port}/readiness").status_code == 200
+                return httpx.get(url + "/readiness").status_code == 200
             except httpx.HTTPError:
                 return False
 
-        wait_for(ready, 120, "the router's readiness probe", procs)
+        smg_probes = f"http://127.0.0.1:{probe_port}"
+        wait_for(lambda: ready(smg_probes), 120, "smg's readiness probe", procs)
+        wait_for(lambda: ready(router_url), 60, "the front's readiness probe (the path)", procs)
         workers = httpx.get(router_url + "/workers").json()["workers"]
         assert [(w["url"], w["model_id"]) for w in workers] == [
             (f"http://{ip}:{port}", "stoker-tiny")
@@ -715,15 +819,38 @@ def test_router_discovers_a_real_replica_through_the_pod_api(objs: list[Obj], tm
         client = OpenAI(base_url=router_url + "/v1", api_key="unused", max_retries=0)
         out = client.completions.create(model="stoker-tiny", prompt="To be", max_tokens=4)
         assert out.usage.completion_tokens == 4
+        # A prompt of token ids, which SMG alone refuses (tests/fleet/test_smg_contract.py).
+        out = client.completions.create(model="stoker-tiny", prompt=[1, 2, 3], max_tokens=4)
+        assert out.usage.prompt_tokens == 3 and out.usage.completion_tokens == 4
         assert "smg_" in httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
 
         assert not tripwire.hits, f"the router contacted the unready pod: {tripwire.hits}"
+        calls_by_router = len(api.requests)
+
+        # `smg launch`, the same arguments on ports of its own: the hint does not help there.
+        igw_port, igw_probes = free_port(), free_port()
+        igw_args = with_flags(args, {
+            "--port": str(igw_port), "--health-check-port": str(igw_probes),
+            "--prometheus-port": str(free_port()),
+        })  # fmt: skip
+        igw = subprocess.Popen(
+            [str(Path(sys.executable).parent / "smg"), "launch", *igw_args],
+            env=kube_env, stdout=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        procs.append(igw)
+        wait_for(lambda: ready(f"http://127.0.0.1:{igw_probes}"), 120, "smg launch", procs)
+        body = json.dumps({"model": "stoker-tiny", "prompt": [1, 2, 3], "max_tokens": 4}).encode()
+        hinted = {"content-type": "application/json", front.HINT: front.routing_hint(body)}
+        refused = httpx.post(
+            f"http://127.0.0.1:{igw_port}/v1/completions", content=body, headers=hinted, timeout=30
+        )
+        assert refused.status_code == 400 and "StringOrArray" in refused.text, refused.text
         # Every call SMG made is one the Role grants, in its own namespace, with its selector.
         role = one(objs, "Role", "stoker-router-discovery")
         granted = {
             (r, v) for rule in role["rules"] for r in rule["resources"] for v in rule["verbs"]
         }
-        assert api.requests
+        assert calls_by_router
         for path, query in api.requests:
             assert path == f"/api/v1/namespaces/{ns}/pods", path
             verb = "watch" if query.get("watch", [""])[0] in ("true", "1") else "list"
