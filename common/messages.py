@@ -160,11 +160,12 @@ class TokenizeRequest(msgspec.Struct, array_like=True, tag="tokenize"):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     arrival_time: float = 0.0  # time.time() at the api, for queue/TTFT metrics
-    return_prompt_ids: bool = False  # --log-requests: send the prompt ids in the first delta
+    return_prompt_ids: bool = False  # --log-requests, echo: send the prompt ids in the first delta
     tools: str | None = None  # the tools the chat template renders: OpenAI's list, JSON text
     chat_template_kwargs: str | None = None  # extra template variables (vLLM's), a JSON object
     continue_final_message: bool = False  # extend the last (assistant) message (vLLM's)
     tool_format: str = ""  # the tool-call format (common/tool_calls) when tools are in play
+    return_prompt_text: bool = False  # echo of a token-id prompt: its text in the first delta
 
 
 class GenerateRequest(msgspec.Struct, array_like=True, gc=False, tag="generate"):
@@ -241,6 +242,7 @@ class TextDelta(msgspec.Struct, array_like=True, gc=False):
     grammar_mask_s: float = 0.0  # on the last delta (RequestTokens')
     num_forced_tokens: int = 0  # on the last delta (RequestTokens')
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the first delta (RequestTokens')
+    prompt_text: str | None = None  # first delta, when TokenizeRequest asked for it
 
 
 class TextBatch(msgspec.Struct, array_like=True, gc=False, tag="text"):

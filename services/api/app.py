@@ -205,11 +205,12 @@ class Api:
         req_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         subs = gen.sub_requests(req_id, time.time())
         ids = [s.req_id for s in subs]
-        acc = Accumulator(req_id, gen.n, whole=not gen.stream)
+        acc = Accumulator(req_id, gen.n, whole=not gen.stream, shown=gen.shown)
         tools = None
         if gen.tools.parse:
             tools = ToolOutput(self.tool_format, req_id, gen.tools.parallel, gen.tools.legacy)
-        fmt = Formatter(kind, req_id, name, strings, gen.params.logprobs is not None, tools)
+        with_logprobs = gen.params.logprobs is not None
+        fmt = Formatter(kind, req_id, name, strings, with_logprobs, tools, gen.shown)
         queue = await self.client.submit(subs)
         timer = self._deadline(ids)
         streaming = False

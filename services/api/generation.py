@@ -1,5 +1,6 @@
 """A decoded request -> `Generation`: the sampling parameters, the prompt or messages, the
-tools and the output constraint, as the server runs them (n sub-requests for the tokenizers)."""
+tools and the output constraint, as the server runs them (n sub-requests for the tokenizers),
+and what the response shows of the prompt (echo, prompt_logprobs: prompt_logprob_render.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from stoker.services.api.openai_schema import (
     CompletionRequest,
     Limits,
 )
+from stoker.services.api.prompt_logprob_render import NOTHING_SHOWN, PromptShown
 from stoker.services.api.structured_request import (
     REMOVED_GUIDED_FIELDS,
     compact_json,
@@ -51,6 +53,7 @@ class Generation:
     tool_format: str = ""  # the format's name, when tools or past calls are in play
     chat_template_kwargs: str | None = None  # a JSON object
     continue_final_message: bool = False
+    shown: PromptShown = NOTHING_SHOWN  # what the response shows of the prompt
 
     def sub_requests(self, req_id: str, arrival_time: float) -> list[TokenizeRequest]:
         out = []
@@ -73,6 +76,8 @@ class Generation:
                     chat_template_kwargs=self.chat_template_kwargs,
                     continue_final_message=self.continue_final_message,
                     tool_format=self.tool_format,
+                    return_prompt_ids=self.shown.wants_prompt,
+                    return_prompt_text=self.shown.echo and self.prompt is None,
                 )
             )
         return out
@@ -120,6 +125,7 @@ def _sampling_params(
     limits: Limits,
     structured: StructuredOutput | None = None,
     skip_special_tokens: bool = True,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     if req.stream_options is not None and not req.stream:
         raise ApiError("stream_options is only allowed when stream is true", param="stream_options")
@@ -145,6 +151,7 @@ def _sampling_params(
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=skip_special_tokens,
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
         logit_bias=_logit_bias(req.logit_bias),
@@ -180,8 +187,6 @@ def _structured(req: BaseRequest) -> StructuredOutput | None:
 
 
 def completion_generation(req: CompletionRequest, limits: Limits = DEFAULT_LIMITS) -> Generation:
-    if req.echo:
-        raise ApiError("echo is not supported", param="echo")
     if req.best_of is not None and req.best_of != _n(req):
         raise ApiError(
             "best_of other than n is not supported (there is no server-side ranking); "
@@ -192,16 +197,52 @@ def completion_generation(req: CompletionRequest, limits: Limits = DEFAULT_LIMIT
         raise ApiError("suffix is not supported (no insertion)", param="suffix")
     prompt, ids = _completion_prompt(req.prompt)
     skip = req.skip_special_tokens is not False
+    echo = bool(req.echo)
+    shown = PromptShown(
+        echo=echo,
+        text=prompt if echo else None,
+        echo_logprobs=req.logprobs if echo else None,  # vLLM's: echo's k is logprobs'
+        prompt_logprobs=_prompt_logprobs(req, limits),
+        # max_tokens 0 (OpenAI's echo-only request): the engine always generates a token, so
+        # ask for one and show none of it (prompt_logprob_render.drop_output).
+        drop_output=echo and req.max_tokens == 0,
+    )
+    max_tokens = 1 if shown.drop_output else req.max_tokens
+    structured = _structured(req)
     return Generation(
         kind="completion",
         model=req.model,
-        params=_sampling_params(req, req.max_tokens, req.logprobs, limits, _structured(req), skip),
+        params=_sampling_params(
+            req, max_tokens, req.logprobs, limits, structured, skip, shown.engine_k
+        ),
         n=_n(req),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         prompt=prompt,
         prompt_token_ids=ids,
+        shown=shown,
     )
+
+
+def _prompt_logprobs(req: BaseRequest, limits: Limits) -> int | None:
+    """vLLM's prompt_logprobs: its k, or None when nothing is to be shown."""
+    k = req.prompt_logprobs
+    if k is None:
+        return None
+    if not 0 <= k <= limits.max_top_logprobs:
+        raise ApiError(
+            f"prompt_logprobs must be in [0, {limits.max_top_logprobs}], got {k} "
+            "(-1, the whole vocabulary, is not supported)",
+            param="prompt_logprobs",
+        )
+    if req.stream:
+        if k > 0:  # vLLM's check (protocol.py check_logprobs), and its message
+            raise ApiError(
+                "`prompt_logprobs` are not available when `stream=True`.",
+                param="prompt_logprobs",
+            )
+        return None  # 0: accepted and, as in vLLM's streams, shown nowhere: not computed
+    return k
 
 
 def _is_ids(x: Any) -> bool:
@@ -271,10 +312,13 @@ def chat_generation(
     skip = req.skip_special_tokens is not False
     if tools.parse and tool_format is not None and tool_format.keeps_special_tokens:
         skip = False
+    shown = PromptShown(prompt_logprobs=_prompt_logprobs(req, limits))
     return Generation(
         kind="chat",
         model=req.model,
-        params=_sampling_params(req, max_tokens, logprobs, limits, structured, skip),
+        params=_sampling_params(
+            req, max_tokens, logprobs, limits, structured, skip, shown.engine_k
+        ),
         n=_n(req),
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
@@ -284,6 +328,7 @@ def chat_generation(
         tool_format=_format_name(tool_format, tools, messages),
         chat_template_kwargs=_template_kwargs(req.chat_template_kwargs),
         continue_final_message=bool(req.continue_final_message),
+        shown=shown,
     )
 
 

@@ -114,6 +114,8 @@ class BaseRequest(RemovedGuidedFields, forbid_unknown_fields=True, kw_only=True)
     user: str | None = None  # no-op (ACCEPTED_NO_OPS)
     # vLLM's: logprobs name tokens "token_id:N", so a client (stoker eval) gets exact ids.
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: each prompt token's logprob and its top k (prompt_logprob_render.py).
+    prompt_logprobs: Int64 | None = None
     # The output's constraint (structured_request.py): OpenAI's spelling, or vLLM's.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsIn | None = None
@@ -123,7 +125,7 @@ class CompletionRequest(BaseRequest):
     prompt: Any  # str | list[int] | [str] | [list[int]]: msgspec unions allow one array type
     max_tokens: Int64 | None = 16
     logprobs: Int64 | None = None
-    echo: bool | None = None  # true: 400, not supported yet
+    echo: bool | None = None  # the prompt leads the text and logprobs (prompt_logprob_render.py)
     best_of: Int64 | None = None  # n, or null: no-op; more: 400 (no server-side ranking)
     suffix: str | None = None  # a non-empty suffix: 400 (no insertion)
 

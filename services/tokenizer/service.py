@@ -65,8 +65,9 @@ class _Request:
     detok: IncrementalDetokenizer
     params: SamplingParams
     stop_ids: frozenset[int]  # token ids whose generation ends the request with "stop"
-    prompt_ids: bytes | None = None  # for the api's request log, until the first delta takes it
+    prompt_ids: bytes | None = None  # request log, echo: until the first delta takes them
     compiled: Compiled | None = None  # its grammar's compile, reported on the first delta
+    prompt_text: str | None = None  # echo of a token-id prompt, until the first delta takes it
 
 
 class TokenizerService:
@@ -128,6 +129,7 @@ class TokenizerService:
         try:
             ids = self.tokenize(req)
             check_request(ids, req.params, self.max_model_len, self.vocab_size)
+            prompt_text = self._prompt_text(ids) if req.return_prompt_text else None
         except Exception as e:  # any tokenizer/template failure is the request's fault
             log.info("rejected: %s", e, extra={"request_id": req.req_id})
             return TextDelta(req.req_id, "", b"", error=str(e) or type(e).__name__)
@@ -138,11 +140,17 @@ class TokenizerService:
             req.params,
             eos | frozenset(req.params.stop_token_ids),
             packed if req.return_prompt_ids else None,
+            prompt_text=prompt_text,
         )
         self.num_served += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug("tokenized: %d prompt tokens", len(ids), extra={"request_id": req.req_id})
         return GenerateRequest(req.req_id, packed, req.params, req.arrival_time)
+
+    def _prompt_text(self, ids: list[int]) -> str:
+        """The text an echo shows for a token-id prompt: decoded as the outputs are (the backend
+        tokenizer, no clean-up of spaces), special tokens kept, as vLLM's echo decodes it."""
+        return self.tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=False)
 
     async def admit_structured(self, req: TokenizeRequest) -> GenerateRequest | TextDelta:
         """admit(), then the grammar's compile (off this loop, bounded in time): the request goes
@@ -169,7 +177,7 @@ class TokenizerService:
     def detokenize(self, batch: TokenBatch) -> tuple[TextBatch, list[str]]:
         """Text deltas for the api, and ids whose stop string matched (to abort upstream).
         Steady rows stay steady columns, except for requests with stop strings (or prompt ids
-        still to send), whose text takes the general path."""
+        or text still to send), whose text takes the general path."""
         out = TextBatch(self.id, [])
         deltas = out.items
         stopped: list[str] = []
@@ -180,7 +188,7 @@ class TokenizerService:
                 state = requests.get(req_id)
                 if state is None:
                     continue  # finished here already (stop string): late tokens are dropped
-                if state.detok.plain and state.prompt_ids is None:
+                if state.detok.plain and state.prompt_ids is None and state.prompt_text is None:
                     try:
                         texts.append(state.detok.add_token(token))
                     except Exception as e:
@@ -225,6 +233,7 @@ class TokenizerService:
 
     def _detokenize_one(self, state: _Request, item: RequestTokens) -> TextDelta:
         prompt_ids, state.prompt_ids = state.prompt_ids, None
+        prompt_text, state.prompt_text = state.prompt_text, None
         compiled, state.compiled = state.compiled, None
         ids = unpack_ids(item.token_ids)
         ids = text_token_ids(
@@ -254,6 +263,7 @@ class TokenizerService:
             grammar_mask_s=item.grammar_mask_s,
             num_forced_tokens=item.num_forced_tokens,
             prompt_logprobs=item.prompt_logprobs,
+            prompt_text=prompt_text,
         )
 
     # -- IO shell -------------------------------------------------------------------------------

@@ -182,7 +182,9 @@ def test_completion_fields():
     assert completion(best_of=2, n=2).n == 2
     assert rejected(completion, best_of=3).param == "best_of"
     assert rejected(completion, suffix="tail").param == "suffix"
-    assert rejected(completion, echo=True).param == "echo"
+    echoed = completion(echo=True, logprobs=1, max_tokens=0)  # tests/services/test_echo_logprobs
+    assert echoed.shown.echo and echoed.params.prompt_logprobs == 1
+    assert echoed.params.max_tokens == 1 and echoed.shown.drop_output
 
 
 # -- structured outputs -----------------------------------------------------------------------
