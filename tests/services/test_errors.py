@@ -36,7 +36,7 @@ CASES = [
     ("completions", {**GOOD, "temperature": -1}, 400, "temperature"),
     ("completions", {**GOOD, "top_p": 0}, 400, "top_p"),
     ("completions", {**GOOD, "logprobs": 50}, 400, "logprobs"),
-    ("completions", {**GOOD, "echo": True}, 400, "echo"),
+    ("completions", {**GOOD, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("completions", {**GOOD, "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("completions", {**GOOD, "logit_bias": {"five": 1}}, 400, "logit_bias"),
     ("completions", {**GOOD, "logit_bias": {"999999": 1}}, 400, "logit_bias"),
