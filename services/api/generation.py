@@ -356,13 +356,11 @@ def _chat_structured(req: ChatRequest, tools: ToolPlan) -> StructuredOutput | No
     structured = _structured(req)
     if structured is None or not tools.parse:
         return tools.structured or structured
-    given = "response_format" if req.response_format is not None else "structured_outputs"
     if tools.structured is not None:
-        raise ApiError(
-            f"{given} and tool_choice (required or a named function) both constrain the output; "
-            "send one of them",
-            param="tool_choice",
-        )
+        # A forced call is this turn's whole output: the answer format applies to a later turn
+        # (OpenAI accepts the pair; the Agents SDK sends it for a required tool and an output
+        # type, then resets tool_choice to auto).
+        return tools.structured
     if structured.kind not in ANSWER_KINDS:
         raise ApiError(
             f"a {structured.kind} grammar together with tools under tool_choice auto is not "

@@ -540,16 +540,9 @@ def test_agents_sdk_tool_loop(proxy, close_early):
 
 
 # Server bugs found by these tests: label -> what is wrong (each test is xfail(strict)).
-KNOWN_BUGS = {
-    "agents/required_with_output_type": (
-        "tool_choice required (or named) beside response_format is a 400 (generation.py "
-        "_chat_structured); OpenAI accepts it: the forced call is the output, the format is for "
-        "a text answer. The Agents SDK sends both for an output_type with tool_choice required."
-    ),
-}
+KNOWN_BUGS: dict[str, str] = {}
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN_BUGS["agents/required_with_output_type"])
 def test_agents_sdk_required_tool_with_output_type(proxy):
     agent = Agent(
         name="forecaster",
