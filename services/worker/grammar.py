@@ -28,11 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from stoker.common.messages import pack_ids
 from stoker.kernels.token_mask import apply_token_bitmask
 
 log = logging.getLogger("stoker.worker")
 
 TEMPLATES = 256  # grammars whose first matcher is kept for deep copies (LRU)
+NUM_THREADS = 2
 
 
 class RequestGrammar:
@@ -76,21 +78,26 @@ class StepMasks:
     def choose(self, tokens: list[int]) -> list[int]:
         """The null model's tokens under the masks: its own where allowed, else the lowest
         allowed id in the first word at or after its own that allows any (wrapping), so the
-        host pipeline walks the grammar without a forward."""
+        host pipeline walks the grammar without a forward. Vectorised over the rows."""
         words = self.bitmask().numpy().view(np.uint32)
+        rows = np.array([r for r in self.rows if r < len(tokens)], dtype=np.int64)
+        if not len(rows):
+            return list(tokens)
+        mine = np.asarray(tokens, dtype=np.int64)[rows]
+        w = np.minimum(mine >> 5, words.shape[1] - 1)
+        allowed = (words[rows, w] >> (mine & 31).astype(np.uint32)) & 1
+        bad = rows[allowed == 0]
+        if not len(bad):
+            return list(tokens)
+        nonzero = words[bad] != 0
+        start = (mine[allowed == 0] >> 5)[:, None]
+        after = nonzero & (np.arange(words.shape[1])[None, :] >= start)
+        first = np.where(after.any(axis=1), after.argmax(axis=1), nonzero.argmax(axis=1))
+        word = words[bad, first].astype(np.int64)
+        lowest = np.log2(word & -word).astype(np.int64)
         out = list(tokens)
-        for row in self.rows:
-            if row >= len(out):  # a verify's later rows: the null model samples one token
-                continue
-            token = out[row]
-            mask = words[row]
-            if token >> 5 < len(mask) and (int(mask[token >> 5]) >> (token & 31)) & 1:
-                continue
-            nonzero = np.flatnonzero(mask)
-            after = nonzero[nonzero >= token >> 5]
-            w = int(after[0] if len(after) else nonzero[0])
-            word = int(mask[w])
-            out[row] = 32 * w + (word & -word).bit_length() - 1
+        for row, token in zip(bad.tolist(), (32 * first + lowest).tolist()):
+            out[row] = token
         return out
 
 
@@ -110,7 +117,7 @@ class Grammars:
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         # Built on the grammar thread at start-up, off the step loop.
         self._tokenizer = self._thread.submit(self._build_tokenizer, model)
-        self._executor = llguidance.LLExecutor()
+        self._executor = llguidance.LLExecutor(num_threads=NUM_THREADS)
         self._templates: OrderedDict[str, Any] = OrderedDict()  # grammar thread only
         self.requests: dict[str, RequestGrammar] = {}
 
@@ -154,20 +161,31 @@ class Grammars:
     def drop(self, req_id: str) -> None:
         self.requests.pop(req_id, None)
 
-    def advance(self, req_id: str, tokens: Sequence[int]) -> list[int]:
-        """Consume the tokens a step produced (its masks are filled, so the grammar thread is
-        done with this matcher); return the tokens the grammar now forces, for the scheduler to
-        propose as drafts (fast-forward), [] when off or none. A few microseconds."""
-        state = self.requests.get(req_id)
-        if state is None or state.matcher is None:
-            return []
-        matcher = state.matcher
-        if not matcher.consume_tokens(list(tokens)):
-            log.warning("a grammar rejected a sampled token: %s", matcher.get_error())
-            return []
-        if not self.fast_forward or matcher.is_stopped():
-            return []
-        return matcher.compute_ff_tokens()
+    def advance(self, rows: list[tuple[str, Sequence[int]]]) -> tuple[list[str], list[bytes]]:
+        """Consume the tokens a step produced, per structured request (its masks are filled, so
+        the grammar thread is done with these matchers); return the requests whose grammar now
+        forces tokens, and those tokens packed, for the scheduler to propose as drafts
+        (fast-forward). One token each (a decode step) is consumed in one parallel call."""
+        states = [(self.requests.get(r), tokens) for r, tokens in rows]
+        live = [(s, tokens) for s, tokens in states if s is not None and s.matcher is not None]
+        singles = [(s.matcher, tokens[0]) for s, tokens in live if len(tokens) == 1]
+        ok = self._executor.consume_token_par(singles) if singles else []
+        if not all(ok):
+            log.warning("a grammar rejected a sampled token")
+        for s, tokens in live:
+            if len(tokens) > 1 and not s.matcher.consume_tokens(list(tokens)):
+                log.warning("a grammar rejected a sampled token: %s", s.matcher.get_error())
+        forced_ids: list[str] = []
+        forced: list[bytes] = []
+        if self.fast_forward:
+            for (req_id, _), (s, _) in zip(rows, states):
+                if s is None or s.matcher is None or s.matcher.is_stopped():
+                    continue
+                ids = s.matcher.compute_ff_tokens()
+                if ids:
+                    forced_ids.append(req_id)
+                    forced.append(pack_ids(ids))
+        return forced_ids, forced
 
     # -- a step -----------------------------------------------------------------------------
 

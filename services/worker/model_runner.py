@@ -329,8 +329,6 @@ class ModelRunner:
                 continue  # advanced below by what was accepted
             item.state.num_computed += item.num_tokens
         req_ids, token_ids, counts = [], [], []
-        forced_ids: list[str] = []  # structured requests whose grammar forces what comes next
-        forced_tokens: list[bytes] = []
         logprobs: list[TokenLogprobs | None] = []  # filled only once some request has them
         for item, (tokens, lps) in zip(sampled, outputs):
             state = item.state
@@ -341,11 +339,6 @@ class ModelRunner:
                 state.num_computed += 1 + accepted
             state.token_ids.extend(tokens)
             state.sampling.add(tokens)
-            if state.params.structured is not None:
-                forced = self.grammars.advance(state.req_id, tokens)
-                if forced:
-                    forced_ids.append(state.req_id)
-                    forced_tokens.append(pack_ids(forced))
             req_ids.append(state.req_id)
             token_ids.extend(tokens)
             counts.append(len(tokens))
@@ -355,6 +348,15 @@ class ModelRunner:
                 logprobs.extend(lps)
             elif logprobs:
                 logprobs.extend([None] * len(tokens))
+        # Structured requests' matchers take their tokens; forced ones are proposed next.
+        forced_ids, forced_tokens = [], []
+        if masks is not None:
+            structured = [
+                (item.state.req_id, tokens)
+                for item, (tokens, _) in zip(sampled, outputs)
+                if item.state.params.structured is not None
+            ]
+            forced_ids, forced_tokens = self.grammars.advance(structured)
         t3 = time.perf_counter()
         forward_host_s = t2 - t1
         forward_s = 0.0 if self.model is None else self.forward_timer.device_seconds(forward_host_s)

@@ -114,18 +114,15 @@ def execute_plain_decode(
                 lists = [[t] for t in tokens]
                 per_request = request_logprobs(states, list(range(n)), lists, logits)
                 logprobs = [None if lp is None else lp[0] for lp in per_request]
-    forced_ids: list[str] = []  # as in ModelRunner.execute
-    forced_tokens: list[bytes] = []
     for state, token in zip(states, tokens):
         state.num_computed += 1
         state.token_ids.append(token)
         if state.sampling.counts is not None:
             state.sampling.add((token,))
-        if state.params.structured is not None:
-            forced = runner.grammars.advance(state.req_id, (token,))
-            if forced:
-                forced_ids.append(state.req_id)
-                forced_tokens.append(pack_ids(forced))
+    forced_ids, forced_tokens = [], []  # as in ModelRunner.execute
+    if masks is not None:
+        structured = [(s.req_id, (t,)) for s, t in zip(states, tokens) if s.params.structured]
+        forced_ids, forced_tokens = runner.grammars.advance(structured)
     t3 = time.perf_counter()
     forward_host_s = t2 - t1
     forward_s = 0.0 if runner.model is None else runner.forward_timer.device_seconds(forward_host_s)
