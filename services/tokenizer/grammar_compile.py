@@ -141,6 +141,7 @@ class GrammarCompiler:
         eos_token_id: int | None,
         timeout_s: float = 2.0,
         max_concurrent: int = 2,
+        max_pending: int = 64,
         cache_entries: int = 1024,
         cache_bytes: int = 64 << 20,
     ) -> None:
@@ -152,8 +153,9 @@ class GrammarCompiler:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_concurrent, thread_name_prefix="grammar"
         )
-        self._running = 0
-        self._max_concurrent = max_concurrent
+        # Distinct constraints compiling or queued for the pool, by constraint.
+        self._inflight: dict[tuple[str, str], asyncio.Future[Compiled]] = {}
+        self.max_pending = max_pending
         # (kind, spec) -> (grammar or the error it gave, bytes held)
         self._cache: OrderedDict[tuple[str, str], tuple[str | GrammarError, int]] = OrderedDict()
         self._cache_bytes = 0
@@ -233,21 +235,28 @@ class GrammarCompiler:
             self._cache_bytes -= old_size
 
     async def compile(self, structured: StructuredOutput) -> Compiled:
-        """compile_sync in a thread, under the time limit; raises GrammarError for the 400."""
+        """compile_sync on a pool thread, under the time limit; raises GrammarError for the
+        4xx. Requests for a constraint already compiling wait for that compile (a burst of one
+        new schema compiles it once); past max_pending distinct compiles, a 429."""
         key = (structured.kind, structured.spec)
         if key in self._cache:  # no thread hop for a hit
             return self.compile_sync(structured)
-        if self._running >= self._max_concurrent:
-            raise GrammarError("too many grammars are compiling at once; retry shortly", 429)
-        self._running += 1
-        future = asyncio.get_running_loop().run_in_executor(
-            self._pool, self.compile_sync, structured
-        )
-        future.add_done_callback(self._compile_done)
+        future = self._inflight.get(key)
+        joined = future is not None
+        if future is None:
+            if len(self._inflight) >= self.max_pending:
+                raise GrammarError("too many grammars are compiling at once; retry shortly", 429)
+            future = asyncio.get_running_loop().run_in_executor(
+                self._pool, self.compile_sync, structured
+            )
+            self._inflight[key] = future
+            future.add_done_callback(lambda f: self._compile_done(key, f))
         try:
             compiled = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
         except asyncio.TimeoutError:
             compiled = None
+        if joined and compiled is not None:
+            return Compiled(compiled.grammar, 0.0, True)  # another request paid for it
         # wait_for returns a result that is ready when the loop gets to it, however late: the
         # compile's own time decides too. (Its result stays cached: a repeat is a fast hit.)
         if compiled is None or compiled.compile_s > self.timeout_s:
@@ -258,7 +267,7 @@ class GrammarCompiler:
             )
         return compiled
 
-    def _compile_done(self, future: asyncio.Future[Compiled]) -> None:
-        self._running -= 1
+    def _compile_done(self, key: tuple[str, str], future: asyncio.Future[Compiled]) -> None:
+        self._inflight.pop(key, None)
         if not future.cancelled():
             future.exception()  # retrieved: a timed-out compile's error is not "never retrieved"

@@ -34,7 +34,7 @@ from stoker.kernels.token_mask import apply_token_bitmask
 log = logging.getLogger("stoker.worker")
 
 TEMPLATES = 256  # grammars whose first matcher is kept for deep copies (LRU)
-NUM_THREADS = 2
+NUM_THREADS = 1
 
 
 class RequestGrammar:
@@ -105,14 +105,21 @@ class Grammars:
     """The worker's matchers and the thread that runs them."""
 
     def __init__(
-        self, model: str | Path, vocab_size: int, eos_token_id: int, fast_forward: bool = True
+        self,
+        model: str | Path,
+        vocab_size: int,
+        eos_token_id: int,
+        fast_forward: bool = True,
+        inline: bool = False,
     ) -> None:
+        """inline: fill masks on the step's thread before the forward (a CPU device), not on
+        the grammar thread during it."""
         import llguidance  # the grammar backend
         import llguidance.torch
 
         self._ll = llguidance
         self.vocab_size, self.eos = vocab_size, eos_token_id
-        self.fast_forward = fast_forward
+        self.fast_forward, self.inline = fast_forward, inline
         self._words = (vocab_size + 31) // 32
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         # Built on the grammar thread at start-up, off the step loop.
@@ -195,7 +202,17 @@ class Grammars:
         if not rows:
             return None
         jobs = [(self.requests[r], first, drafts) for r, first, drafts in rows]
-        future = self._thread.submit(self._fill, jobs, num_rows)
+        if self.inline:
+            # The CPU is the device: a fill beside the forward only takes cores from it (and
+            # waits out its threads' spinning), so fill first, once the builds queued are done.
+            if any(state.matcher is None for state, _, _ in jobs):
+                self._thread.submit(lambda: None).result()
+            future: concurrent.futures.Future[tuple[torch.Tensor, float]] = (
+                concurrent.futures.Future()
+            )
+            future.set_result(self._fill(jobs, num_rows))
+        else:
+            future = self._thread.submit(self._fill, jobs, num_rows)
         mask_rows = [first + j for _, first, drafts in rows for j in range(len(drafts) + 1)]
         return StepMasks(future, mask_rows)
 

@@ -129,7 +129,11 @@ class ModelRunner:
         # its own thread now, so the first structured request does not wait for it.
         eos = self.model_cfg.eos_token_ids[0] if self.model_cfg.eos_token_ids else 0
         self.grammars = Grammars(
-            folder, self.model_cfg.vocab_size, eos, config.grammar_fast_forward
+            folder,
+            self.model_cfg.vocab_size,
+            eos,
+            config.grammar_fast_forward,
+            inline=self.device.type == "cpu",
         )
         self.requests: dict[str, RequestState] = {}
         self.block_table = BlockTable(-(-self.max_model_len // self.block_size))

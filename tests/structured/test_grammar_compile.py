@@ -137,3 +137,17 @@ def test_tool_calls_beside_an_answer_format(compiler, hf):
     ).grammar
     assert _accepts(compiler, hf, forced, call)
     assert not _accepts(compiler, hf, forced, '{"x": 1}')
+
+
+def test_a_burst_of_one_new_constraint_compiles_it_once(compiler):
+    """32 requests for one schema at once (a benchmark's or a client's first burst): one
+    compile, the others wait for it and report a cache hit; none is refused."""
+    structured = StructuredOutput("json_schema", '{"type": "object", "properties": {"b": {}}}')
+
+    async def burst():
+        return await asyncio.gather(*(compiler.compile(structured) for _ in range(32)))
+
+    results = asyncio.run(burst())
+    assert len({r.grammar for r in results}) == 1
+    assert sum(not r.cache_hit for r in results) == 1
+    assert compiler.misses == 1
