@@ -30,7 +30,6 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 
 from stoker.common.sampling_params import StructuredOutput
 from stoker.common.tool_calls import detect_format, tool_grammar
@@ -215,8 +214,7 @@ class GrammarCompiler:
             raise GrammarError(f"invalid {structured.kind} constraint: {e}") from None
         matcher = llguidance.LLMatcher(self.ll_tokenizer(), grammar, limits=LIMITS)
         if not matcher.is_error():
-            mask = llguidance.torch.allocate_token_bitmask(1, self._vocab_size)
-            llguidance.torch.fill_next_token_bitmask(matcher, mask)
+            matcher.compute_bitmask()  # the first mask: the bulk of llguidance's lazy build
         if matcher.is_error():
             raise GrammarError(f"invalid {structured.kind} constraint: {matcher.get_error()}")
         return grammar

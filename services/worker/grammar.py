@@ -115,7 +115,6 @@ class Grammars:
         """inline: fill masks on the step's thread before the forward (a CPU device), not on
         the grammar thread during it."""
         import llguidance  # the grammar backend
-        import llguidance.torch
 
         self._ll = llguidance
         self.vocab_size, self.eos = vocab_size, eos_token_id
@@ -225,13 +224,17 @@ class Grammars:
         for state, _, _ in jobs:
             if state.matcher is None:  # its build failed (logged): it may only end
                 state.matcher = self._ll.LLMatcher(self._tokenizer.result(), '{"grammars": []}')
-        ll = self._ll.torch
+        # llguidance's executor writes rows of the buffer in place (what llguidance.torch's
+        # helpers do; that module is not imported: it pulls in torch.compile and triton).
         plain = [(s.matcher, first) for s, first, drafts in jobs if not drafts]
         verify = [(s.matcher, first, drafts) for s, first, drafts in jobs if drafts]
+        row_bytes = self._words * 4
         if plain:
-            ll.fill_next_token_bitmask_par(self._executor, plain, bitmask)
+            self._executor.unsafe_compute_mask_ptr(plain, bitmask.data_ptr(), row_bytes, num_rows)
         if verify:
-            ll.fill_next_token_bitmask_par_with_draft_tokens(self._executor, verify, bitmask)
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(
+                verify, bitmask.data_ptr(), row_bytes, num_rows
+            )
         # A matcher in error (or past its end) allows nothing: allow EOS, so the row still
         # samples and the request ends.
         dead = ~bitmask.any(dim=1)

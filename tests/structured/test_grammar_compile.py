@@ -151,3 +151,16 @@ def test_a_burst_of_one_new_constraint_compiles_it_once(compiler):
     assert len({r.grammar for r in results}) == 1
     assert sum(not r.cache_hit for r in results) == 1
     assert compiler.misses == 1
+
+
+def test_the_grammar_modules_do_not_import_triton():
+    """llguidance.torch imports torch.compile and with it triton; the kernel tests set triton
+    up (TRITON_INTERPRET=1) before its first import, and the serving processes need neither."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, llguidance.hf; import stoker.services.engine, stoker.services.worker.grammar"
+        "; import stoker.services.tokenizer.grammar_compile; assert 'triton' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=120)

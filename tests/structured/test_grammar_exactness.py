@@ -12,15 +12,16 @@ import random
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from stoker.common.model_config import ModelConfig
 from stoker.common.sampling_params import StructuredOutput
+from stoker.kernels.token_mask import apply_token_bitmask_reference
 from stoker.services.engine import LLM, SamplingParams
 from tests.factory import make_model
+from tests.spec.eagle_heads import make_head
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.timeout(300)]
 
@@ -80,14 +81,15 @@ def _reference(model_path, llm: LLM, prompt: list[int], params: SamplingParams) 
     model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
     matcher = _matcher(llm, params)
     vocab = model.config.vocab_size
-    mask = llguidance.torch.allocate_token_bitmask(1, vocab)
+    words = (vocab + 31) // 32
     ids, out = list(prompt), []
     eos = llm.tokenizer.eos_token_id
     with torch.no_grad():
         for _ in range(params.max_tokens):
             logits = model(torch.tensor([ids])).logits[0, -1].float()[None]
-            llguidance.torch.fill_next_token_bitmask(matcher, mask)
-            llguidance.torch.apply_token_bitmask_inplace(logits, mask)
+            # (Not llguidance.torch: it imports triton, which the kernel tests set up first.)
+            mask = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+            apply_token_bitmask_reference(logits, mask[:words][None], torch.tensor([0]))
             token = int(logits.argmax())
             out.append(token)
             if token == eos:
@@ -142,8 +144,8 @@ def test_mixed_batch_with_unconstrained_rows(llm):
         _check_allowed(llm, structured, out.outputs[0].token_ids)
 
 
-@pytest.mark.parametrize("speculative", ["ngram", "draft"])
-def test_speculation_keeps_greedy_structured_output(model_path, llm, speculative):
+@pytest.mark.parametrize("speculative", ["ngram", "draft", "eagle"])
+def test_speculation_keeps_greedy_structured_output(model_path, llm, speculative, tmp_path):
     prompts = _prompts(5, 4)
     params = [
         SamplingParams(max_tokens=40, temperature=0.0, structured=CONSTRAINTS[k])
@@ -153,6 +155,9 @@ def test_speculation_keeps_greedy_structured_output(model_path, llm, speculative
     options = dict(OPTIONS, speculative=speculative, num_speculative_tokens=3)
     if speculative == "draft":
         options["speculative_model"] = str(model_path)  # itself: every allowed draft accepted
+    if speculative == "eagle":  # a random-init head: drafts the grammar mostly rejects
+        options["speculative"] = "draft"
+        options["speculative_model"] = str(make_head(model_path, tmp_path / "eagle"))
     spec = LLM(str(model_path), **options)
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
     assert got == want

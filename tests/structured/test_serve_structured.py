@@ -109,6 +109,31 @@ def test_structured_outputs_are_valid_and_the_cache_answers_repeats(server):
     assert state["num_free_blocks"] == state["num_total_blocks"]
 
 
+def test_constraints_compose_with_n_seeds_logprobs_stop_and_max_tokens(server):
+    """Sampled choices under one constraint: each stays in the regex, a seed repeats its
+    choices, logprobs come per token, a stop string cuts the text, max_tokens gives length."""
+    body = {
+        "prompt": PROMPTS[0],
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "seed": 7,
+        "n": 3,
+        "logprobs": 2,
+        "structured_outputs": {"regex": "[ab]{2,30}"},
+    }
+    first, again = _complete(server.url, body).json(), _complete(server.url, body).json()
+    texts = [c["text"] for c in first["choices"]]
+    assert texts == [c["text"] for c in again["choices"]]
+    for choice in first["choices"]:
+        assert set(choice["text"]) <= {"a", "b"} and choice["finish_reason"] in ("stop", "length")
+        assert len(choice["logprobs"]["tokens"]) == len(choice["logprobs"]["token_logprobs"])
+    cut = _complete(server.url, {**body, "n": 1, "stop": ["b"], "logprobs": None}).json()
+    assert "b" not in cut["choices"][0]["text"]
+    short = {"prompt": PROMPTS[1], "max_tokens": 3, "structured_outputs": {"json": SCHEMA}}
+    choice = _complete(server.url, short).json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["text"].startswith("{")
+
+
 def test_a_compile_past_its_limit_is_a_400_while_streams_go_on(model_path, tmp_path_factory):
     slow = _serve(model_path, tmp_path_factory, "--grammar-compile-timeout", "0.000001")
     try:
