@@ -76,9 +76,6 @@ def _event_structs(array_like: bool) -> tuple[type, type, type]:
 _STRUCTS = {"array": _event_structs(True), "map": _event_structs(False)}
 
 
-
-
-
 class ZmqEventPublisher:
     def __init__(self, config: KVEventsConfig, dp_rank: int = 0) -> None:
         self.config = config
