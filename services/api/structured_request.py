@@ -9,6 +9,7 @@ schema or grammar it cannot compile with an error delta, which becomes a 400.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -54,7 +55,8 @@ class StructuredOutputsIn(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tr
     choice: list[str] | None = None
     grammar: str | None = None  # GBNF when it uses `::=`, else llguidance's Lark dialect
     json_object: bool | None = None
-    structural_tag: str | dict[str, Any] | None = None  # 400: llguidance has no structural tags
+    # vLLM's: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}; calls in free text
+    structural_tag: str | dict[str, Any] | None = None
     disable_fallback: bool | None = None  # no-op: one backend (llguidance), nothing to fall to
     # JSON constraints only, as in vLLM: the schema's llguidance options (x-guidance), and
     # additionalProperties false on every object schema that does not say otherwise.
@@ -130,11 +132,7 @@ def _from_structured_outputs(so: StructuredOutputsIn | None) -> StructuredOutput
         return None
     param = "structured_outputs"
     if so.structural_tag is not None:
-        raise ApiError(
-            "structured_outputs.structural_tag is not supported (llguidance has no structural "
-            "tags); use tools with tool_choice, or structured_outputs.grammar",
-            param=param,
-        )
+        return _structural_tag(so.structural_tag)
     given = [
         name
         for name, value in (
@@ -236,3 +234,41 @@ def _no_additional_properties(schema: Any) -> Any:
     if is_object and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+def _structural_tag(given: str | dict[str, Any]) -> StructuredOutput:
+    """vLLM's structural tag: free text in which each `begin ... end` segment (opened by one of
+    the triggers) must hold JSON matching its schema. The tokenizer process compiles it with
+    llguidance's StructTag (services/tokenizer/grammar_compile.py)."""
+    param = "structured_outputs"
+    tag = given
+    if isinstance(given, str):
+        try:
+            tag = json.loads(given)
+        except json.JSONDecodeError:
+            raise ApiError("structural_tag is not valid JSON", param=param) from None
+    if not isinstance(tag, dict):
+        raise ApiError("structural_tag must be an object", param=param)
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not structures or not isinstance(triggers, list):
+        raise ApiError("structural_tag needs non-empty `structures` and `triggers`", param=param)
+    if not all(isinstance(t, str) and t for t in triggers):
+        raise ApiError("structural_tag triggers must be non-empty strings", param=param)
+    for s in structures:
+        ok = (
+            isinstance(s, dict)
+            and isinstance(s.get("begin"), str)
+            and isinstance(s.get("end"), str)
+        )
+        if not ok or not isinstance(s.get("schema", {}), dict):
+            raise ApiError(
+                "each structural_tag structure needs `begin` and `end` strings, and a `schema` "
+                "object",
+                param=param,
+            )
+        if not any(s["begin"].startswith(t) for t in triggers):
+            raise ApiError(
+                f"structural_tag begin {s['begin']!r} starts with none of the triggers", param=param
+            )
+    spec = {"structures": structures, "triggers": triggers}
+    return StructuredOutput(kind="structural_tag", spec=compact_json(spec, param))

@@ -106,7 +106,28 @@ def grammar_text(
         if answer is not None:  # tool_choice auto beside an output format: calls or the answer
             lark = _calls_or_answer(lark, StructuredOutput(answer["kind"], answer.get("spec", "")))
         return matcher.grammar_from_lark(lark)
+    if kind == "structural_tag":
+        return _structural_tag(json.loads(spec))
     raise GrammarError(f"unknown structured output kind {kind!r}")
+
+
+def _structural_tag(spec: dict) -> str:
+    """vLLM's structural tag as llguidance's StructTag: free text, each segment from a trigger
+    to its end holding JSON that matches its schema (strict, as any JSON schema here)."""
+    tags = []
+    for s in spec["structures"]:
+        trigger = next(t for t in spec["triggers"] if s["begin"].startswith(t))
+        schema = dict(s.get("schema") or {"type": "object"})
+        schema["x-guidance"] = {**JSON_DEFAULTS, **schema.get("x-guidance", {}), **JSON_OVERRIDES}
+        tags.append(
+            llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"])
+        )
+    grammar = llguidance.StructTag.to_grammar(tags)
+    return (
+        grammar
+        if grammar.lstrip().startswith("{")
+        else llguidance.LLMatcher.grammar_from_lark(grammar)
+    )
 
 
 def _calls_or_answer(calls_lark: str, answer: StructuredOutput) -> str:

@@ -419,6 +419,20 @@ def test_tools_are_validated(tools, choice, param, words):
     assert err.param == param and words in err.message
 
 
+def test_a_structural_tag_becomes_its_constraint():
+    tag = {
+        "structures": [
+            {"begin": "<function=f>", "schema": {"type": "object"}, "end": "</function>"}
+        ],
+        "triggers": ["<function="],
+    }
+    structured = chat(structured_outputs={"structural_tag": tag}).params.structured
+    assert structured.kind == "structural_tag" and json.loads(structured.spec) == tag
+    bad = {**tag, "triggers": ["<tool="]}
+    err = rejected(chat, structured_outputs={"structural_tag": bad})
+    assert "none of the triggers" in err.message
+
+
 def test_tools_and_an_output_format():
     """auto: one grammar allows calls or the answer (as the Agents SDK asks with an output
     type); required or named: the forced call is this turn's output (the format is for a later

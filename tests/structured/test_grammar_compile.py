@@ -164,3 +164,17 @@ def test_the_grammar_modules_do_not_import_triton():
         "; import stoker.services.tokenizer.grammar_compile; assert 'triton' not in sys.modules"
     )
     subprocess.run([sys.executable, "-P", "-c", code], check=True, timeout=120)
+
+
+def test_a_structural_tag_constrains_only_its_segments(compiler, hf):
+    """vLLM's structural tag: free text, each segment from a trigger to its end holding JSON
+    that matches its schema."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    spec = {
+        "structures": [{"begin": "<function=f>", "schema": schema, "end": "</function>"}],
+        "triggers": ["<function="],
+    }
+    grammar = compiler.compile_sync(StructuredOutput("structural_tag", json.dumps(spec))).grammar
+    assert _accepts(compiler, hf, grammar, "free text, no call")
+    assert _accepts(compiler, hf, grammar, 'see <function=f>{"a": 1}</function> done')
+    assert not _accepts(compiler, hf, grammar, 'see <function=f>{"a": "x"}</function>')
