@@ -267,9 +267,9 @@ def test_text_logged_only_with_the_flag_and_files_rotate(served) -> None:
     last = recs[(rids[-1], 0)]
     assert last["prompt"] == "line 29" and last["output_text"]
     chat_rec = recs[(chat["id"], 0)]
-    assert chat_rec["messages"] == [["user", "hi there"]] or chat_rec["messages"] == [
-        {"role": "user", "content": "hi there"}
-    ]
+    # ChatMessage, array-like: role, content, then name, tool_call_id and tool_calls (JSON
+    # text) for tool conversations, null otherwise.
+    assert chat_rec["messages"] == [["user", "hi there", None, None, None]]
     assert chat_rec["output_text"] == chat["choices"][0]["message"]["content"]
 
 
