@@ -154,6 +154,7 @@ class Api:
             config.model_path,
             config.served_model_name,
             lambda: self.client.stats.max_model_len if self.client.stats else None,
+            self.tool_format.name,
         )
 
     async def drain(self, timeout_s: float) -> None:

@@ -178,6 +178,10 @@ class TokenizeCompletionRequest(msgspec.Struct, forbid_unknown_fields=True, kw_o
 class TokenizeChatRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: str | None = None
     messages: list[ChatMessageIn]
+    # As on /v1/chat/completions (vLLM's /tokenize takes them too): the ids a request gets.
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the template writes the special tokens
     return_token_strs: bool = False

@@ -10,11 +10,13 @@ tokenizer is loaded on the first call, not at start-up.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
+from stoker.common.chat_template_inputs import template_inputs
 from stoker.common.model_registry import resolve_model
 from stoker.common.prompt_tokens import prompt_token_ids
 from stoker.common.tokenizer_files import load_tokenizer
@@ -54,7 +56,10 @@ class TokenizerEndpoints:
         model_path: str | None,
         served_model_name: str,
         max_model_len: Callable[[], int | None],
+        tool_format: str = "",
     ) -> None:
+        """tool_format: the api's tool-call format name (common/tool_calls), as requests send it."""
+        self._tool_format = tool_format
         self._model_path = model_path
         self._name = served_model_name
         self._max_model_len = max_model_len
@@ -89,10 +94,15 @@ class TokenizerEndpoints:
         self._check_model(req.model)
         tok = await self.tokenizer()
         if isinstance(req, TokenizeChatRequest):
-            messages = [{"role": m.role, "content": m.content}
-                        for m in openai_schema.chat_messages(req.messages)]  # fmt: skip
+            tools = json.dumps(req.tools) if req.tools else None
+            messages, template_tools = template_inputs(
+                tok, openai_schema.chat_messages(req.messages), tools, self._tool_format
+            )
             kwargs: dict[str, Any] = {
                 "messages": messages,
+                "tools": template_tools,
+                "chat_template_kwargs": req.chat_template_kwargs,
+                "continue_final_message": req.continue_final_message,
                 "add_generation_prompt": req.add_generation_prompt,
                 # False is the request path's own default: leave it to the shared function.
                 "add_special_tokens": True if req.add_special_tokens else None,

@@ -25,6 +25,7 @@ import zmq  # noqa: E402
 import zmq.asyncio  # noqa: E402
 
 from stoker.common.addresses import Addresses  # noqa: E402
+from stoker.common.chat_template_inputs import template_messages  # noqa: E402
 from stoker.common.fairness import let_others_run  # noqa: E402
 from stoker.common.finish import finish_reason, text_token_ids  # noqa: E402
 from stoker.common.ipc import encoder, tokenize_request_decoder, tokenizer_inbound_decoder  # noqa: E402
@@ -54,7 +55,6 @@ from stoker.services.tokenizer.grammar_compile import (  # noqa: E402
     GrammarError,
 )
 from stoker.services.tokenizer.pieces import PieceTables  # noqa: E402
-from stoker.services.tokenizer.template_inputs import template_messages  # noqa: E402
 
 log = logging.getLogger("stoker.tokenizer")
 HEARTBEAT_S = 0.5

@@ -69,6 +69,24 @@ def test_tokenize_counts_what_a_chat_uses(http, server):
         assert done.json()["usage"]["prompt_tokens"] == ids["count"]
 
 
+def test_tokenize_counts_what_a_chat_with_tools_uses(http, server):
+    """Tools, an earlier call and its result go through the template (docs/tool-calling.md)
+    the same way for /tokenize as for a request."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        *CHAT,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    plain = http.post("/tokenize", json={"messages": messages}).json()["count"]
+    ids = http.post("/tokenize", json={"messages": messages, "tools": [tool]}).json()
+    assert ids["count"] > plain  # the generic format describes the tools in the system prompt
+    body = {"model": server.model_name, "messages": messages, "tools": [tool], "max_tokens": 1}
+    done = http.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
+    assert done.json()["usage"]["prompt_tokens"] == ids["count"]
+
+
 def test_detokenize_round_trip(http, hf):
     text = "To be, or not to be 🚀"
     ids = http.post("/tokenize", json={"prompt": text}).json()["tokens"]

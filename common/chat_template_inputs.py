@@ -34,18 +34,26 @@ def message_dict(m: ChatMessage) -> dict[str, Any]:
 def template_messages(
     tokenizer: Any, req: TokenizeRequest
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages, tools for the template); tools is None where the template can't render them
-    (the messages then carry them)."""
+    """(messages, tools for the template) for a request; see template_inputs."""
     assert req.messages is not None
-    messages = [message_dict(m) for m in req.messages]
-    tools = json.loads(req.tools) if req.tools else None
-    uses_tools = tools or any(m.tool_calls or m.tool_call_id for m in req.messages)
+    return template_inputs(tokenizer, req.messages, req.tools, req.tool_format)
+
+
+def template_inputs(
+    tokenizer: Any, given: list[ChatMessage], tools_json: str | None, tool_format: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools for the template); tools is None where the template can't render them
+    (the messages then carry them). The tokenizer processes and the api's /tokenize share it,
+    so /tokenize shows what a request gets."""
+    messages = [message_dict(m) for m in given]
+    tools = json.loads(tools_json) if tools_json else None
+    uses_tools = tools or any(m.tool_calls or m.tool_call_id for m in given)
     if not uses_tools:
         return messages, None
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates: the tool one where there is one
         template = template.get("tool_use") or template.get("default")
-    fmt = detect_format(template, req.tool_format or None)
+    fmt = detect_format(template, tool_format or None)
     renders = template_renders_tools(template)
     tool_role = template_shows_any_role(template)
     messages = prepare_messages(fmt, messages, tools, renders, tool_role=tool_role)
