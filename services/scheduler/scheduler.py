@@ -289,23 +289,22 @@ class Scheduler:
         """Draft ids (n-gram) or a draft count (draft model), within max_tokens, the context
         length and the step budget: a verify yields at most k + 1 tokens."""
         assert self.spec is not None
-        room = min(
+        k = min(self.spec.num_drafts(request), self._draft_room(request, budget))
+        return self.spec.propose(request, k) if k > 0 else 0
+
+    def _draft_room(self, request: Request, budget: int) -> int:
+        """Drafts a verify may carry: it yields up to one token more than its drafts, within
+        max_tokens, the context length and the step budget."""
+        return min(
             request.max_tokens - request.num_output_tokens - 1,
             self.config.max_model_len - request.num_tokens - 1,
             budget - 1,
         )
-        k = min(self.spec.num_drafts(request), room)
-        return self.spec.propose(request, k) if k > 0 else 0
 
     def _forced_drafts(self, request: Request, budget: int) -> list[int]:
         """The tokens its grammar forces, as drafts (fast-forward), within the same bounds as
         speculation's; the worker verifies them like any draft."""
-        room = min(
-            request.max_tokens - request.num_output_tokens - 1,
-            self.config.max_model_len - request.num_tokens - 1,
-            budget - 1,
-        )
-        drafts = request.forced[: max(room, 0)]
+        drafts = request.forced[: max(self._draft_room(request, budget), 0)]
         self._drop_forced(request)
         request.forced_inflight = bool(drafts)
         return drafts
