@@ -1,13 +1,13 @@
 """Grammar masks next to the logits (docs/structured-outputs.md, "Where the work runs").
 
-Each structured request keeps an llguidance matcher in the worker. A step's masks are filled on
-one grammar thread while the forward runs (llguidance releases the GIL and fans rows out over
-its own thread pool), and applied to the logits just before sampling; no mask leaves this
-process. Matchers are built on that thread too (from a cached template, by deep copy), in
-submission order before their first fill. The step's host thread queues that work, waits at
-most for what the forward did not hide, and after sampling consumes the new tokens (a few
-microseconds each; the grammar thread is idle then) and reads the tokens the grammar forces
-next, which the scheduler proposes as drafts (fast-forward).
+Each structured request keeps an llguidance matcher in the worker, built on one grammar thread
+(from a cached template, by deep copy). A step's masks are filled on that thread while the
+forward runs on a GPU, or on the step's thread just before the forward on a CPU, whose cores
+the forward needs; either way they are applied to the logits just before sampling, and no mask
+leaves this process. After sampling the step's thread consumes the new tokens (a few
+microseconds each) and reads the tokens the grammar forces next, which the scheduler proposes
+as drafts (fast-forward). The scheduler splits a step's fill time over its structured requests
+(StepResult.grammar_mask_s), so no per-request timer is kept here.
 
 A verify row (speculation) gets the mask of the state after the drafts before it: llguidance
 computes them by consuming the drafts and rolling back, stopping at the first draft the grammar
@@ -40,12 +40,11 @@ NUM_THREADS = 1
 class RequestGrammar:
     """A request's matcher, built on the grammar thread with the outputs it resumes with."""
 
-    __slots__ = ("matcher", "resumed", "mask_s")
+    __slots__ = ("matcher", "resumed")
 
     def __init__(self, resumed: list[int]) -> None:
         self.matcher: Any = None
         self.resumed = resumed  # a preempted request's outputs, consumed once it is built
-        self.mask_s = 0.0
 
 
 class StepMasks:
@@ -56,7 +55,7 @@ class StepMasks:
     ) -> None:
         self._future, self.rows = future, rows
         self._bitmask_: torch.Tensor | None = None
-        self.fill_s = 0.0  # the grammar thread's time on this step (consume + fill)
+        self.fill_s = 0.0  # the time the step's masks took to fill
         self.wait_s = 0.0  # how long sampling waited: the part the forward did not hide
 
     def bitmask(self) -> torch.Tensor:
@@ -241,7 +240,4 @@ class Grammars:
         if bool(dead.any()):
             bit = self.eos % 32
             bitmask[dead, self.eos // 32] = (1 << bit) - (1 << 32 if bit == 31 else 0)  # int32
-        seconds = time.perf_counter() - t0
-        for state, _, _ in jobs:
-            state.mask_s += seconds / len(jobs)
-        return bitmask, seconds
+        return bitmask, time.perf_counter() - t0

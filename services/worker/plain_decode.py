@@ -75,7 +75,7 @@ def execute_plain_decode(
     masks = None
     if any(s.params.structured is not None for s in states):
         structured = [(s.req_id, i, []) for i, s in enumerate(states) if s.params.structured]
-        masks = runner.grammars.begin(structured, n)  # filled while the forward runs
+        masks = runner.grammars.begin(structured, n)  # worker/grammar.py: where they fill
     t1 = time.perf_counter()
     logits = greedy_ids = None
     if runner.model is not None:
