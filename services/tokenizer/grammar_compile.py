@@ -117,8 +117,7 @@ def _structural_tag(spec: dict) -> str:
     tags = []
     for s in spec["structures"]:
         trigger = next(t for t in spec["triggers"] if s["begin"].startswith(t))
-        schema = dict(s.get("schema") or {"type": "object"})
-        schema["x-guidance"] = {**JSON_DEFAULTS, **schema.get("x-guidance", {}), **JSON_OVERRIDES}
+        schema = _inline_schema(s.get("schema") or {"type": "object"})
         tags.append(
             llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"])
         )
@@ -130,6 +129,13 @@ def _structural_tag(spec: dict) -> str:
     )
 
 
+def _inline_schema(schema: dict) -> dict:
+    """A schema to embed in a Lark grammar (`%json`), which takes no defaults or overrides
+    arguments: the same options as grammar_from_json_schema's, in its own x-guidance."""
+    options = {**JSON_DEFAULTS, **schema.get("x-guidance", {}), **JSON_OVERRIDES}
+    return {**schema, "x-guidance": options}
+
+
 def _calls_or_answer(calls_lark: str, answer: StructuredOutput) -> str:
     """One Lark grammar: the tool calls (tool_grammar's, its start renamed) or the answer."""
     if not calls_lark.startswith("start:"):
@@ -139,8 +145,7 @@ def _calls_or_answer(calls_lark: str, answer: StructuredOutput) -> str:
         schema = json.loads(answer.spec) if answer.kind == "json_schema" else {"type": "object"}
         if not isinstance(schema, dict):
             raise GrammarError("a JSON schema beside tools must be an object")
-        options = {**JSON_DEFAULTS, **schema.get("x-guidance", {}), **JSON_OVERRIDES}
-        rules.append(f"answer: %json {json.dumps({**schema, 'x-guidance': options})}")
+        rules.append(f"answer: %json {json.dumps(_inline_schema(schema))}")
     elif answer.kind == "regex":
         rules.append(f"answer: /{answer.spec.replace('/', chr(92) + '/')}/")
     elif answer.kind == "choice":
